@@ -1,0 +1,124 @@
+"""Attention over the paged KV cache.
+
+One forward pass packs the tokens of several requests into a flat ``[T, ...]`` batch. Requests come in
+three layouts, each with its own fast path:
+
+* **varlen prefill** — a run of ``q_len > 1`` new tokens per request, causal within the request and
+  attending to the request's cached prefix (read back from its KV blocks);
+* **padded prefill** — a static ``(batch, bucket)`` block of right-padded prompts with no cached prefix,
+  one 4-D SDPA call (the shape the graph runners capture);
+* **decode** — one new token per request against its whole paged context, one batched SDPA call.
+
+Packed order is always: varlen prefill tokens, then padded tokens, then decode tokens.
+flash-attn is used for varlen prefill when it is importable on CUDA; torch SDPA everywhere else. All
+SDPA calls use 4-D inputs: on CPU the fused kernel is only taken for 4-D (3-D is ~8x slower).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # pragma: no cover - only on CUDA machines with flash-attn installed
+    from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
+except ImportError:  # the normal case on CPU
+    flash_attn_varlen_func = None
+
+
+@dataclass
+class PrefillSeq:
+    """One request's slice of the varlen prefill part."""
+
+    start: int  # offset of its first new token in the packed batch
+    q_len: int  # new tokens computed now
+    num_cached: int  # tokens before them already in the KV cache
+    block_table: torch.Tensor | None  # its KV blocks; needed only when num_cached > 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything the attention layers need to know about one packed batch."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV slot each token's K/V is written to
+    prefill: list[PrefillSeq]
+    num_prefill_tokens: int = 0
+    padded_shape: tuple[int, int] | None = None  # (batch, bucket) of the padded part
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with the null block
+    decode_context_lens: torch.Tensor | None = None  # [B] tokens in context incl. the new one
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return 0 if self.padded_shape is None else self.padded_shape[0] * self.padded_shape[1]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values ``[T, Hk, D]`` into the paged cache ``[blocks, block_size, Hk, D]``."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """A request's first ``length`` cached tokens as ``[Hk, length, D]``."""
+    blocks = cache[block_table[: (length + cache.shape[1] - 1) // cache.shape[1]]]
+    return blocks.reshape(-1, *cache.shape[2:])[:length].transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    gqa = q.shape[-3] != k.shape[-3]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=gqa)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a packed batch. ``q``: ``[T, H, D]``, ``k``/``v``: ``[T, Hk, D]``; returns ``[T, H, D]``.
+
+    New K/V are written into ``kv_cache`` first (when given), so cached-prefix and decode requests
+    read their whole context from the cache.
+    """
+    if kv_cache is not None:
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    for seq in meta.prefill:
+        s, e = seq.start, seq.start + seq.q_len
+        qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if seq.num_cached == 0:
+            ks, vs = k[s:e].transpose(0, 1).unsqueeze(0), v[s:e].transpose(0, 1).unsqueeze(0)
+            o = _sdpa(qs, ks, vs, scale, causal=True)
+        else:
+            assert kv_cache is not None and seq.block_table is not None
+            total = seq.num_cached + seq.q_len
+            ks = _gather_context(kv_cache[0], seq.block_table, total).unsqueeze(0)
+            vs = _gather_context(kv_cache[1], seq.block_table, total).unsqueeze(0)
+            # Causal with the queries aligned to the end of the context (SDPA's is_causal aligns
+            # them to the start when q_len != k_len).
+            qpos = torch.arange(seq.num_cached, total, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] <= qpos[:, None]
+            o = _sdpa(qs, ks, vs, scale, mask=mask)
+        out[s:e] = o[0].transpose(0, 1)
+    p0 = meta.num_prefill_tokens
+    p1 = p0 + meta.num_padded_tokens
+    if meta.padded_shape is not None:
+        b, n = meta.padded_shape
+        # Right padding keeps every real token's causal window free of padding.
+        shape_q, shape_kv = (b, n, q.shape[1], q.shape[2]), (b, n, k.shape[1], k.shape[2])
+        o = _sdpa(q[p0:p1].view(shape_q).transpose(1, 2), k[p0:p1].view(shape_kv).transpose(1, 2),
+                  v[p0:p1].view(shape_kv).transpose(1, 2), scale, causal=True)
+        out[p0:p1] = o.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[2])
+    if meta.decode_block_tables is not None:
+        assert kv_cache is not None and meta.decode_context_lens is not None
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        kc, vc = kv_cache
+        b = tables.shape[0]
+        # [B, max_blocks, block, Hk, D] -> [B, Hk, S, D]
+        ks = kc[tables].flatten(1, 2).transpose(1, 2)
+        vs = vc[tables].flatten(1, 2).transpose(1, 2)
+        mask = (torch.arange(ks.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        o = _sdpa(q[p1:].unsqueeze(2), ks, vs, scale, mask=mask)  # [B, H, 1, D]
+        out[p1:] = o.squeeze(2)
+        assert out.shape[0] - p1 == b
+    return out

@@ -1,0 +1,214 @@
+"""LLMEngine: requests in, tokens out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from plaserve.config import EngineConfig
+from plaserve.cost import CostModel, measure_peak_flops
+from plaserve.engine.kv_cache import BlockAllocator, allocate_kv_tensors, available_memory, parse_memory
+from plaserve.engine.request import Request, RequestOutput, SamplingParams
+from plaserve.engine.runner import ModelRunner
+from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from plaserve.model.tokenizer import IncrementalDetokenizer
+from plaserve.scheduler.base import ScheduledBatch, Scheduler
+from plaserve.scheduler.policy import FcfsScheduler
+
+log = logging.getLogger(__name__)
+
+POLICIES: dict[str, type[Scheduler]] = {"fcfs": FcfsScheduler}
+DEFAULT_MAX_MODEL_LEN = 16384
+
+
+class LLMEngine:
+    """Continuous-batching engine: ``add_request``, then ``step`` until nothing is unfinished.
+
+    Requests join and leave between steps; a step runs whatever the scheduling policy picks (prefill
+    chunks and decodes). All times are read from ``clock`` so tests can inject their own.
+    """
+
+    def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: LoadedModel | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.loaded = loaded or load_model(config.model, self.dtype, self.device, seed=config.seed)
+        self.model_config = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings,
+                                                         DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        num_blocks = self._num_kv_blocks()
+        cfg = self.model_config
+        self.kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
+                                             cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.policy not in POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
+        self.scheduler = POLICIES[config.policy](self.allocator, max_num_seqs=config.max_num_seqs,
+                                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                                 max_model_len=self.max_model_len)
+        self.runner = ModelRunner(self.loaded.model, self.kv_caches, config.block_size, self.device)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.cost = CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    def _num_kv_blocks(self) -> int:
+        cfg, c = self.config, self.model_config
+        spec = cfg.kv_cache_memory
+        if spec == "auto":
+            spec = "0.8" if self.device.type == "cuda" else "2GiB"
+        budget = parse_memory(spec, available_memory(self.device))
+        block_bytes = c.kv_bytes_per_token * cfg.block_size * torch.finfo(self.dtype).bits // 8
+        num_blocks = budget // block_bytes + 1  # +1: the null block
+        needed = -(-self.max_model_len // cfg.block_size) + 1
+        if num_blocks < needed:
+            raise ValueError(f"KV cache of {budget / 2**20:.1f} MiB holds {(num_blocks - 1) * cfg.block_size} "
+                             f"tokens, fewer than max_model_len={self.max_model_len}; raise --kv-cache-memory "
+                             f"or lower --max-model-len")
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks - 1, cfg.block_size,
+                 num_blocks * block_bytes / 2**20)
+        return num_blocks
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Validate and queue a request (a text prompt or token ids). Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        self.validate_prompt(token_ids)
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(token_ids, params, request_id=request_id, prompt=text,
+                      arrival_time=self.clock() if arrival_time is None else arrival_time,
+                      detokenizer=IncrementalDetokenizer(self.tokenizer),
+                      eos_token_ids=tuple(self.model_config.eos_token_ids))
+        if not params.greedy:
+            req.generator = (torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None
+                             else self.generator)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        """Raise ValueError when a prompt cannot be served."""
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; this model's maximum context length is "
+                             f"{self.max_model_len} (prompt plus at least one generated token)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks. False when it was unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return False
+        self.scheduler.finish(req, "abort")
+        req.metrics.finish_time = self.clock()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def length_class(self, req: Request) -> str:
+        """``"short"`` or ``"long"`` by the tokens left to prefill after the prefix-cache lookup."""
+        uncached = req.num_prompt_tokens - req.metrics.num_cached_tokens
+        return "short" if uncached < self.config.short_threshold else "long"
+
+    def load_report(self) -> dict:
+        """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
+        queued and running counts, KV usage and the cost coefficients in use."""
+        backlog = {"short": 0.0, "long": 0.0}
+        queued = {"short": 0, "long": 0}
+        running = {"short": 0, "long": 0}
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            cls = self.length_class(req)
+            pending = req.num_prompt_tokens - req.num_computed_tokens
+            if pending > 0:
+                backlog[cls] += self.cost.prefill_time(pending, req.num_computed_tokens)
+            (running if req.block_table else queued)[cls] += 1
+        kv = self.allocator
+        return {
+            "backlog_s": backlog,
+            "queued": queued,
+            "running": running,
+            "num_requests": sum(queued.values()) + sum(running.values()),
+            "kv": {"used_blocks": kv.num_used_blocks, "free_blocks": kv.num_free_blocks,
+                   "utilization": kv.num_used_blocks / kv.num_blocks, "block_size": kv.block_size},
+            "cost_model": self.cost.as_dict(),
+            "short_threshold": self.config.short_threshold,
+            "policy": self.config.policy,
+        }
+
+    # --- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs of requests that got a token or finished."""
+        start = self.clock()
+        batch = self.scheduler.schedule(start)
+        if not batch:
+            return []
+        sampled = self.runner.execute(batch)
+        end = self.clock()
+        self.scheduler.on_batch_done(batch, start, end)
+        self.num_steps += 1
+        return self._process_samples(batch, sampled, end)
+
+    def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int], now: float) -> list[RequestOutput]:
+        outputs = []
+        for i, token in sampled.items():
+            req = batch.items[i].request
+            if req.finished:
+                continue
+            self._append_token(req, token, now)
+            outputs.append(RequestOutput.of(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append_token(self, req: Request, token: int, now: float) -> None:
+        req.output_token_ids.append(token)
+        req.token_ids.append(token)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        checked = len(req.output_text)
+        if req.detokenizer is not None:
+            req.output_text += req.detokenizer.add(token)
+        reason = self._stop_reason(req, token, checked)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            req.metrics.finish_time = now
+
+    def _stop_reason(self, req: Request, token: int, checked: int) -> str | None:
+        """Why ``req`` stops after ``token`` (None: it goes on). ``checked``: text length already
+        searched for stop strings on earlier tokens."""
+        p = req.params
+        if token in req.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return "stop"
+        for stop in p.stop:
+            at = req.output_text.find(stop, max(0, checked - len(stop) + 1))
+            if at >= 0:
+                req.output_text = req.output_text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+                req.stop_reason = stop
+                return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,51 @@
+"""The offline API, shaped like vLLM's: ``LLM(model).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from plaserve.config import EngineConfig
+from plaserve.engine.engine import LLMEngine
+from plaserve.engine.request import RequestOutput, SamplingParams
+from plaserve.model.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate completions for a batch of prompts in one call.
+
+    ``model`` is a local Hugging Face model directory or None for the embedded default model (random
+    weights). Other keyword arguments are :class:`~plaserve.config.EngineConfig` fields.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(engine_args) - fields
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, text or token ids
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        while any(not r.finished for r in reqs):
+            self.engine.step()
+        return [RequestOutput.of(r) for r in reqs]
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """Generate one assistant turn for a conversation, using the tokenizer's chat template."""
+        prompt = self.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(self.get_tokenizer().encode(prompt, add_special_tokens=False), sampling_params)[0]

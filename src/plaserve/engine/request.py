@@ -1,0 +1,165 @@
+"""Requests: sampling parameters, per-request state and timings, and the outputs users see."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from plaserve.model.tokenizer import IncrementalDetokenizer
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (the fields and defaults of vLLM's ``SamplingParams``)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or positive, got {self.top_k}")
+        # Normalise the list-or-scalar fields so the rest of the engine sees tuples.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks
+    RUNNING = "running"  # holds KV blocks: prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (engine clock, seconds) and counters of one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+class Request:
+    """One generation request as the engine tracks it.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache. A step computes tokens
+    ``[num_computed_tokens, num_tokens)`` (or a chunk of them) and samples once all are computed, so
+    prefill, chunked prefill, decode and recompute after preemption are the same loop.
+    """
+
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                 arrival_time: float = 0.0, prompt: str | None = None,
+                 detokenizer: IncrementalDetokenizer | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_computed_tokens = 0
+        self.num_committed_blocks = 0  # blocks indexed in the prefix cache
+        self.block_table: list[int] = []
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.detokenizer = detokenizer
+        self.eos_token_ids = () if params.ignore_eos else eos_token_ids
+        self.output_text = ""  # detokenized output, cut at a stop string
+        self.generator = None  # a torch.Generator when the request has its own seed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until the first output token exists (or while recomputing after preemption)."""
+        return self.num_pending_tokens > 1 or not self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={len(self.output_token_ids)}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's shape)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request: its output so far and whether it finished."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @classmethod
+    def of(cls, req: Request) -> "RequestOutput":
+        return cls(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                   outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason,
+                                             req.stop_reason)],
+                   finished=req.finished, metrics=req.metrics, num_cached_tokens=req.metrics.num_cached_tokens)

@@ -1,0 +1,1 @@
+"""Model definition, weight loading and tokenization."""

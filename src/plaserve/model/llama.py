@@ -1,0 +1,48 @@
+"""The Llama-family causal LM (Llama 2/3, Mistral, Qwen2/2.5) over packed, paged batches."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plaserve.engine.attention import AttentionMetadata
+from plaserve.model.config import ModelConfig
+from plaserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder with an LM head. ``forward`` returns hidden states; ``compute_logits`` projects the
+    few rows that are sampled, so prefill never builds a ``[T, vocab]`` tensor."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of a packed batch; writes its K/V into ``kv_caches`` when given."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions, self.rotary, None if kv_caches is None else kv_caches[i], meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` for selected hidden rows."""
+        return self.lm_head(hidden).float()

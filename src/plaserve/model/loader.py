@@ -1,0 +1,82 @@
+"""Builds a ready-to-run model and tokenizer from a local checkpoint or the embedded default."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from plaserve.model.config import ModelConfig
+from plaserve.model.default import DEFAULT_CONFIG, DEFAULT_MODEL_NAME, init_random_weights
+from plaserve.model.layers import RotaryEmbedding
+from plaserve.model.llama import LlamaForCausalLM
+from plaserve.model.tokenizer import Tokenizer, load_tokenizer
+from plaserve.model.weights import load_into, load_safetensors_state_dict
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model on its device, its config and tokenizer, and the name it is served under."""
+
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    name: str
+    path: str | None
+    random_weights: bool
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bfloat16 matmuls are hundreds of times slower than float32 on CPUs without AMX.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _with_float32_rope(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
+    """(Re)build the rotary table in float32 on ``device``: ``Module.to(dtype)`` would round it to
+    half precision, and ``to_empty`` leaves it uninitialised."""
+    cfg = model.config
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    return model
+
+
+def load_model(path: str | None, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+    """Load ``path`` (a Hugging Face model directory) or, when None, build the embedded default."""
+    if path is None:
+        log.warning("no model given: using the embedded default model %s (RANDOM WEIGHTS, output is gibberish)",
+                    DEFAULT_MODEL_NAME)
+        cfg = DEFAULT_CONFIG
+        model = LlamaForCausalLM(cfg)
+        init_random_weights(model, seed)
+        model = _with_float32_rope(model.to(device=device, dtype=dtype), device).eval()
+        return LoadedModel(model, cfg, load_tokenizer(None), DEFAULT_MODEL_NAME, None, True)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist (plaserve loads local checkpoints only)")
+    cfg = ModelConfig.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
+    if not cfg.eos_token_ids and tokenizer.eos_token_ids:
+        cfg = dataclasses.replace(cfg, eos_token_ids=tuple(tokenizer.eos_token_ids))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    # Materialise empty on the target device, then copy the checkpoint in: no random init, no CPU copy.
+    model = _with_float32_rope(model.to_empty(device=device).to(dtype), device)
+    load_into(model, load_safetensors_state_dict(path, dtype), cfg.tie_word_embeddings)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return LoadedModel(model.eval(), cfg, tokenizer, os.path.basename(os.path.normpath(path)), path, False)

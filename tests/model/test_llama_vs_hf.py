@@ -1,0 +1,66 @@
+"""Our Llama-family model against Hugging Face transformers on tiny random-weight checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plaserve import LLM, SamplingParams
+from plaserve.engine.attention import AttentionMetadata, PrefillSeq
+from plaserve.model.config import ModelConfig, UnsupportedModelError
+from plaserve.model.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def hf_model(path: str) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def our_logits(path: str, ids: list[int]) -> torch.Tensor:
+    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    n = len(ids)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long), prefill=[PrefillSeq(0, n, 0, None)],
+                             num_prefill_tokens=n)
+    hidden = loaded.model(torch.tensor(ids), torch.arange(n), meta, kv_caches=None)
+    return loaded.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt", "mistral_ckpt"])
+def test_logits_match_transformers(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    ids = torch.randint(0, 300, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0].float()
+    ours = our_logits(path, ids)
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_llama3_rope_scaling_and_qwen_bias_are_parsed(llama_ckpt, qwen2_ckpt):
+    llama = ModelConfig.from_pretrained(llama_ckpt)
+    assert llama.rope_scaling["rope_type"] == "llama3" and llama.num_key_value_heads < llama.num_attention_heads
+    qwen = ModelConfig.from_pretrained(qwen2_ckpt)
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+
+
+def test_unsupported_architecture_is_refused():
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "vocab_size": 10})
+
+
+def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt"])
+def test_batched_greedy_generation_matches_transformers(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 200, 700)]
+    llm = LLM(path, kv_cache_memory="32MiB", max_model_len=1024, max_num_batched_tokens=512)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    ref = hf_model(path)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(ref, prompt, 32)
