@@ -61,6 +61,7 @@ class LLMEngine:
         self.cost = CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_preemptions = 0
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model_config
@@ -131,6 +132,12 @@ class LLMEngine:
         uncached = req.num_prompt_tokens - req.metrics.num_cached_tokens
         return "short" if uncached < self.config.short_threshold else "long"
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """Monotonic counters for metrics: steps run, prompt tokens served from the prefix cache."""
+        return {"num_steps": self.num_steps, "prefix_cache_hit_tokens": self.allocator.num_cache_hits,
+                "num_preemptions": self.num_preemptions}
+
     def load_report(self) -> dict:
         """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
         queued and running counts, KV usage and the cost coefficients in use."""
@@ -167,6 +174,7 @@ class LLMEngine:
         end = self.clock()
         self.scheduler.on_batch_done(batch, start, end)
         self.num_steps += 1
+        self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)
 
     def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int], now: float) -> list[RequestOutput]:
