@@ -1,8 +1,30 @@
-"""Engine settings, with every default in one place."""
+"""Engine and scheduler settings, with every default in one place."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Knobs of the step policies. Times are seconds; lengths are tokens.
+
+    The defaults suit the embedded model on a 2-core CPU; ``plaserve calibrate`` measures them for a
+    real model and device.
+    """
+
+    policy: str = "pla"  # pla (length-aware), fcfs (vLLM's default), spf (shortest prefill first)
+    max_num_seqs: int = 64  # requests holding KV blocks at once
+    max_num_batched_tokens: int = 2048  # fcfs/spf: tokens per step; pla: cap on one short batch
+    short_threshold: int = 512  # fewer uncached prompt tokens than this: short
+    long_chunk_size: int = 512  # pla: tokens per long-prefill chunk
+    max_short_batch: int = 16  # pla: deepest static batch size
+    w_min: float = 0.001  # pla: batch window bounds
+    w_max: float = 0.02
+    max_consecutive_short: int = 4  # pla: short batches in a row while a long prefill waits
+    max_prefill_steps_between_decodes: int = 2  # pla: bounds time between tokens
+    ttft_slo_factor: float = 5.0  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
+    ttft_slo_floor: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -20,9 +42,20 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 16384
     block_size: int = 16
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     enable_prefix_caching: bool = True
-    policy: str = "fcfs"
-    short_threshold: int = 512  # prompts with fewer uncached tokens than this are "short"
+    use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
     seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "EngineConfig":
+        """Build from flat keyword arguments: engine fields and scheduler fields mixed (``LLM(...)``)."""
+        from dataclasses import fields
+
+        engine_names = {f.name for f in fields(cls)}
+        sched_names = {f.name for f in fields(SchedulerConfig)}
+        unknown = set(kwargs) - engine_names - sched_names
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
+        sched = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in sched_names})
+        return cls(**{k: v for k, v in kwargs.items() if k in engine_names}, scheduler=sched)

@@ -34,11 +34,12 @@ class CostModel:
         """Seconds to prefill ``n`` new tokens after ``h`` cached ones."""
         return self.c0 + self.g1 * n + self.g2 * n * (h + n / 2) + self.g3 * h
 
-    def batch_time(self, lengths: list[int], pad_to: int | None = None) -> float:
-        """Seconds for one batch of fresh prompts run together (padded to ``pad_to`` when given)."""
-        if pad_to is not None:
-            lengths = [pad_to] * len(lengths)
-        return self.c0 + sum(self.prefill_time(n) - self.c0 for n in lengths)
+    def batch_time(self, work: list[tuple[int, int]]) -> float:
+        """Seconds for one forward pass computing ``(n, h)`` (new, cached) tokens for each request.
+
+        A decode is ``(1, context)``; a right-padded batch is its requests at the padded length.
+        """
+        return self.c0 + sum(self.prefill_time(n, h) - self.c0 for n, h in work)
 
     def as_dict(self) -> dict[str, float | str]:
         return asdict(self)

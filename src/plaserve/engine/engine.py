@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -15,12 +15,20 @@ from plaserve.engine.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
 from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from plaserve.model.tokenizer import IncrementalDetokenizer
-from plaserve.scheduler.base import ScheduledBatch, Scheduler
-from plaserve.scheduler.policy import FcfsScheduler
+from plaserve.model.default import DEFAULT_CONFIG
+from plaserve.model.tokenizer import load_tokenizer
+from plaserve.scheduler.base import ScheduledBatch
+from plaserve.scheduler.policy import POLICIES, PlaScheduler
 
 log = logging.getLogger(__name__)
 
-POLICIES: dict[str, type[Scheduler]] = {"fcfs": FcfsScheduler}
+
+
+class BatchRunner(Protocol):
+    """Executes one scheduled batch; returns the sampled token of each sampling item by index."""
+
+    def execute(self, batch: ScheduledBatch) -> dict[int, int]: ...
+
 DEFAULT_MAX_MODEL_LEN = 16384
 
 
@@ -32,34 +40,44 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: LoadedModel | None = None,
+                 runner: BatchRunner | None = None, cost: CostModel | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """Build the engine. With ``runner`` given, no model or KV tensors are created: the scheduler
+        drives ``runner.execute`` (a test double or the simulator's cost-model runner) instead."""
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(config.model, self.dtype, self.device, seed=config.seed)
-        self.model_config = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
+        if runner is None and loaded is None:
+            loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        self.loaded = loaded
+        self.model_config = loaded.config if loaded else DEFAULT_CONFIG
+        self.tokenizer = loaded.tokenizer if loaded else load_tokenizer(None)
         self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings,
                                                          DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         num_blocks = self._num_kv_blocks()
-        cfg = self.model_config
-        self.kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
-                                             cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
-        if config.policy not in POLICIES:
-            raise ValueError(f"unknown policy {config.policy!r}; choose one of {', '.join(POLICIES)}")
-        self.scheduler = POLICIES[config.policy](self.allocator, max_num_seqs=config.max_num_seqs,
-                                                 max_num_batched_tokens=config.max_num_batched_tokens,
-                                                 max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.loaded.model, self.kv_caches, config.block_size, self.device)
+        self.cost = cost or CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
+        sched = config.scheduler
+        if sched.policy not in POLICIES:
+            raise ValueError(f"unknown policy {sched.policy!r}; choose one of {', '.join(POLICIES)}")
+        self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
+        if runner is None:
+            assert loaded is not None
+            cfg = self.model_config
+            kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
+                                            cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+            runner = ModelRunner(loaded.model, kv_caches, config.block_size, self.device)
+            if isinstance(self.scheduler, PlaScheduler):
+                runner.build_grid(self.scheduler.grid_shapes(), capture=config.use_cuda_graphs)
+        self.runner = runner
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.cost = CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
         self.requests: dict[str, Request] = {}
+        self.last_batch: ScheduledBatch | None = None
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -127,16 +145,26 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def next_wakeup(self) -> float | None:
+        """Clock time at which :meth:`step` will next have work (None: nothing is unfinished)."""
+        return self.scheduler.next_wakeup(self.clock())
+
+    def wait_for_work(self, max_wait: float = 0.05) -> None:
+        """Sleep (on the wall clock) until the scheduler has work, at most ``max_wait`` seconds."""
+        wake = self.next_wakeup()
+        if wake is not None:
+            time.sleep(min(max_wait, max(0.0, wake - self.clock())))
+
     def length_class(self, req: Request) -> str:
-        """``"short"`` or ``"long"`` by the tokens left to prefill after the prefix-cache lookup."""
-        uncached = req.num_prompt_tokens - req.metrics.num_cached_tokens
-        return "short" if uncached < self.config.short_threshold else "long"
+        """``"short"`` or ``"long"``: the tokens left to prefill after the prefix-cache lookup on arrival,
+        against the scheduler's ``short_threshold``."""
+        return req.length_class
 
     @property
     def stats(self) -> dict[str, int]:
         """Monotonic counters for metrics: steps run, prompt tokens served from the prefix cache."""
         return {"num_steps": self.num_steps, "prefix_cache_hit_tokens": self.allocator.num_cache_hits,
-                "num_preemptions": self.num_preemptions}
+                "num_preemptions": self.num_preemptions, **getattr(self.runner, "stats", {})}
 
     def load_report(self) -> dict:
         """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
@@ -159,8 +187,8 @@ class LLMEngine:
             "kv": {"used_blocks": kv.num_used_blocks, "free_blocks": kv.num_free_blocks,
                    "utilization": kv.num_used_blocks / kv.num_blocks, "block_size": kv.block_size},
             "cost_model": self.cost.as_dict(),
-            "short_threshold": self.config.short_threshold,
-            "policy": self.config.policy,
+            "short_threshold": self.config.scheduler.short_threshold,
+            "policy": self.config.scheduler.policy,
         }
 
     # --- the step ------------------------------------------------------------------------------
@@ -169,7 +197,9 @@ class LLMEngine:
         start = self.clock()
         batch = self.scheduler.schedule(start)
         if not batch:
+            self.last_batch = None
             return []
+        self.last_batch = batch
         sampled = self.runner.execute(batch)
         end = self.clock()
         self.scheduler.on_batch_done(batch, start, end)

@@ -99,8 +99,7 @@ class BlockAllocator:
             if block.ref_count == 0:
                 self.free[bid] = None
 
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Blocks holding the longest cached prefix of ``token_ids`` (whole blocks); forks them."""
+    def _cached_blocks(self, token_ids: list[int]) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         bs, key, ids = self.block_size, None, []
@@ -111,8 +110,17 @@ class BlockAllocator:
             if bid is None or self.blocks[bid].tokens != tokens:  # tokens guard against hash collisions
                 break
             ids.append(bid)
+        return ids
+
+    def peek_prefix(self, token_ids: list[int]) -> int:
+        """Tokens of ``token_ids`` the prefix cache holds now (whole blocks), without taking them."""
+        return len(self._cached_blocks(token_ids)) * self.block_size
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of ``token_ids`` (whole blocks); forks them."""
+        ids = self._cached_blocks(token_ids)
         self.fork(ids)
-        self.num_cache_hits += len(ids) * bs
+        self.num_cache_hits += len(ids) * self.block_size
         return ids
 
     def commit(self, block_table: list[int], token_ids: list[int], num_computed: int, num_committed: int) -> int:

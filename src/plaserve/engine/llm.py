@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 from plaserve.config import EngineConfig
@@ -21,11 +20,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = set(engine_args) - fields
-        if unknown:
-            raise TypeError(f"unknown engine arguments: {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
@@ -43,6 +38,8 @@ class LLM:
         reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         while any(not r.finished for r in reqs):
             self.engine.step()
+            if self.engine.last_batch is None:  # e.g. short requests inside their batch window
+                self.engine.wait_for_work()
         return [RequestOutput.of(r) for r in reqs]
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:

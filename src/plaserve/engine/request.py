@@ -98,6 +98,9 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.output_text = ""  # detokenized output, cut at a stop string
         self.generator = None  # a torch.Generator when the request has its own seed
+        self.length_class = "short"  # set by the scheduler on arrival: "short" or "long"
+        self.uncached_estimate = len(prompt_token_ids)  # prompt tokens not in the prefix cache on arrival
+        self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival
 
     @property
     def num_tokens(self) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from plaserve.engine.attention import AttentionMetadata, PrefillSeq
+from plaserve.engine.graphs import GraphGrid
 from plaserve.engine.kv_cache import NULL_BLOCK
 from plaserve.engine.sampler import sample
 from plaserve.model.llama import LlamaForCausalLM
@@ -89,7 +91,12 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
 
 
 class ModelRunner:
-    """Executes scheduled batches on a model with its paged KV cache."""
+    """Executes scheduled batches on a model with its paged KV cache.
+
+    A short batch with a ``bucket`` runs through the static ``(batch, bucket)`` grid when it has an
+    entry for it (a CUDA graph replay on GPUs); any other batch, or one the grid lacks, runs the varlen
+    eager path.
+    """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device) -> None:
@@ -97,11 +104,37 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.grid: GraphGrid | None = None
+        self.grid_fallbacks = 0
+
+    def build_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
+        """Create (and on CUDA capture) the static runners for ``shapes`` of ``(batch, bucket)``."""
+        self.grid = GraphGrid(self.model, self.kv_caches, shapes, self.block_size, self.device, capture)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {"grid_hits": self.grid.hits if self.grid else 0, "grid_fallbacks": self.grid_fallbacks}
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch]:
+        static = None
+        if batch.bucket is not None:
+            static = self.grid.lookup(len(batch.items), batch.bucket) if self.grid else None
+            if static is None:  # no grid entry: same batch, varlen eager path
+                batch = dataclasses.replace(batch, bucket=None)
+        if batch.kind == "short" and static is None:
+            self.grid_fallbacks += 1
+        packed = pack(batch, self.block_size, self.device)
+        if static is not None:
+            assert self.grid is not None
+            self.grid.hits += 1
+            hidden = static.run(packed.input_ids, packed.positions, packed.meta.slot_mapping, len(batch.items))
+        else:
+            hidden = self.model(packed.input_ids, packed.positions, packed.meta, self.kv_caches)
+        return hidden, packed
 
     def execute(self, batch: ScheduledBatch) -> dict[int, int]:
         """Run ``batch``; returns the sampled token of each item that samples, by item index."""
-        packed = pack(batch, self.block_size, self.device)
-        hidden = self.model(packed.input_ids, packed.positions, packed.meta, self.kv_caches)
+        hidden, packed = self._forward(batch)
         if not packed.sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[packed.sample_rows])
@@ -110,7 +143,6 @@ class ModelRunner:
         return dict(zip(packed.sample_items, tokens))
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits of every computed token of ``batch`` in packed order (for tests and debugging)."""
-        packed = pack(batch, self.block_size, self.device)
-        hidden = self.model(packed.input_ids, packed.positions, packed.meta, self.kv_caches)
+        """Logits of every packed token of ``batch``, padding included (for tests and debugging)."""
+        hidden, _ = self._forward(batch)
         return self.model.compute_logits(hidden)

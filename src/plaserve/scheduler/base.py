@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from plaserve.config import SchedulerConfig
+from plaserve.cost import CostModel
 from plaserve.engine.kv_cache import BlockAllocator
 from plaserve.engine.request import Request, RequestStatus
 
@@ -51,22 +53,32 @@ class ScheduledBatch:
 class Scheduler:
     """Base scheduler: owns the waiting queue, the running set and every request's KV blocks."""
 
-    def __init__(self, allocator: BlockAllocator, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int = 4096) -> None:
+    name = "base"
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, cost: CostModel) -> None:
+        self.config = config
         self.kv = allocator
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        self.cost = cost
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
     # --- queue membership -------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a new request."""
+        """Queue a new request, classified short or long by its tokens left after the prefix cache."""
+        uncached = req.num_prompt_tokens - self.kv.peek_prefix(req.token_ids[:-1])
+        req.uncached_estimate = uncached
+        req.length_class = "short" if uncached < self.config.short_threshold else "long"
+        req.ttft_slo = max(self.config.ttft_slo_floor, self.config.ttft_slo_factor * self.cost.prefill_time(uncached))
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def next_wakeup(self, now: float) -> float | None:
+        """When :meth:`schedule` will next have work if nothing arrives (None: no work left)."""
+        return now if self.has_unfinished() else None
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark ``req`` finished (``"stop"``, ``"length"`` or ``"abort"``) and free its blocks."""

@@ -1,9 +1,29 @@
-"""Step policies. ``fcfs`` is vLLM's default behaviour: first come first served, chunked prefill
-under a per-step token budget, decodes mixed into the same step."""
+"""Step policies: what one engine step computes.
+
+* ``fcfs`` — vLLM's default: first come first served; running requests (decodes and unfinished
+  prefills) first, then new prompts, chunked to fill a per-step token budget; decodes share the step.
+* ``spf`` — shortest prefill first: as fcfs, but waiting prompts start in order of their uncached
+  length (SGLang's shortest-first style). Good for short TTFT; can starve long prompts.
+* ``pla`` — prefill-length-aware (ours): short and long prompts in separate queues; each step runs one
+  of a short batch (bucketed, right-padded, static shape), one long chunk, or a decode batch.
+
+Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_between_decodes``):
+
+* **Head of line.** Once its window has closed, a short request is dispatched after at most one long
+  chunk and at most one decode step (besides the step already running).
+* **Long progress.** While a long prefill is pending, at most ``K`` short batches run in a row before
+  its next chunk. A long request at the head of the long queue with ``C`` chunks left therefore finishes
+  its prefill within ``C * (K + 1)`` prefill steps (plus the decode steps between them).
+* **Decode cadence.** While requests are decoding, at most ``D`` prefill steps run between two decode
+  steps, so a token's gap is bounded by ``D`` prefill steps plus one decode step.
+"""
 
 from __future__ import annotations
 
+from plaserve.engine.request import Request
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
+from plaserve.scheduler.buckets import batch_sizes, make_buckets, pick_bucket_batch
+from plaserve.scheduler.window import AdaptiveWindow
 
 
 class FcfsScheduler(Scheduler):
@@ -11,10 +31,14 @@ class FcfsScheduler(Scheduler):
 
     name = "fcfs"
 
+    def waiting_order(self) -> list[Request]:
+        """The order in which waiting requests may start."""
+        return list(self.waiting)
+
     def schedule(self, now: float) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         items: list[BatchItem] = []
-        preempted = []
+        preempted: list[Request] = []
         # Running requests first (decodes and unfinished prefills), oldest first.
         for req in list(self.running):
             if budget == 0:
@@ -25,12 +49,177 @@ class FcfsScheduler(Scheduler):
             if self.reserve_or_preempt(req, n, items, preempted):
                 items.append(BatchItem(req, n))
                 budget -= n
-        # Then new requests in arrival order while budget, sequence slots and memory last.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            n = self.try_start(req, budget)
+        # Then new requests while budget, sequence slots and memory last.
+        if not preempted:
+            for req in self.waiting_order():
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                n = self.try_start(req, budget)
+                if n == 0:
+                    break
+                items.append(BatchItem(req, n))
+                budget -= n
+        return ScheduledBatch(items, kind="mixed", preempted=preempted)
+
+
+class SpfScheduler(FcfsScheduler):
+    """Shortest (uncached) prefill first; otherwise identical to fcfs."""
+
+    name = "spf"
+
+    def waiting_order(self) -> list[Request]:
+        # Stable sort: equal lengths keep arrival order. Lengths are the arrival-time estimates, so a
+        # step does not re-hash every waiting prompt against the prefix cache.
+        return sorted(self.waiting, key=lambda r: r.uncached_estimate)
+
+
+class PlaScheduler(Scheduler):
+    """Length-aware: dual queues, adaptive window, bucketed short batches, chunked longs, decode steps."""
+
+    name = "pla"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        c = self.config
+        self.buckets = make_buckets(c.short_threshold)
+        self.batch_sizes = batch_sizes(c.max_short_batch)
+        self.window = AdaptiveWindow(c.w_min, c.w_max)
+        self.consecutive_short = 0  # short batches since the last long chunk
+        self.prefill_steps_since_decode = 0
+        self.long_chunk_time = self.cost.prefill_time(c.long_chunk_size)  # slack margin: one chunk
+
+    # --- queues ---------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        super().add(req)
+        if req.length_class == "short":
+            self.window.observe_arrival(req.metrics.arrival_time)
+
+    def preempt(self, req: Request) -> None:
+        super().preempt(req)
+        # It recomputes prompt and output so far; a long recompute belongs on the chunked path.
+        if req.num_tokens >= self.config.short_threshold:
+            req.length_class = "long"
+
+    def max_batch_for(self, bucket: int) -> int:
+        """Deepest batch size for ``bucket`` within the per-batch token cap."""
+        cap = max(1, self.max_num_batched_tokens // bucket)
+        return max(b for b in self.batch_sizes if b <= cap)
+
+    def grid_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(batch, bucket)`` a short batch can have: the static runner grid to build."""
+        return [(b, k) for k in self.buckets for b in self.batch_sizes if b <= self.max_batch_for(k)]
+
+    def _uncached(self, req: Request) -> int:
+        return req.num_tokens - req.num_computed_tokens
+
+    def short_candidates(self) -> list[Request]:
+        return [r for r in self.waiting if r.length_class == "short"]
+
+    def long_pending(self) -> Request | None:
+        """The long prefill to advance: one already running, else the oldest waiting long request."""
+        for r in self.running:
+            if r.length_class == "long" and r.in_prefill:
+                return r
+        return next((r for r in self.waiting if r.length_class == "long"), None)
+
+    def decoding(self) -> list[Request]:
+        return [r for r in self.running if not r.in_prefill]
+
+    # --- the window -----------------------------------------------------------------------
+    def short_batch_plan(self) -> tuple[list[Request], int] | None:
+        return pick_bucket_batch(self.short_candidates(), self._uncached, self.buckets, self.max_batch_for)
+
+    def short_ready_at(self, plan: tuple[list[Request], int]) -> float:
+        """Time at which the forming short batch must leave: window end, or earlier on low slack."""
+        reqs, bucket = plan
+        target = self.max_batch_for(bucket)
+        if len(reqs) >= target:
+            return float("-inf")  # full: go now
+        oldest = reqs[0].metrics.arrival_time
+        window_end = oldest + self.window.width(target, len(reqs))
+        # Deadline slack: leave when waiting longer would leave less than one long chunk of margin
+        # between the predicted finish and the tightest TTFT deadline.
+        exec_time = self.cost.batch_time([(bucket, 0)] * len(reqs))
+        slack_end = min(r.metrics.arrival_time + r.ttft_slo for r in reqs) - exec_time - self.long_chunk_time
+        return min(window_end, slack_end)
+
+    def next_wakeup(self, now: float) -> float | None:
+        if self.running or self.long_pending() is not None:
+            return now
+        plan = self.short_batch_plan()
+        return None if plan is None else max(now, self.short_ready_at(plan))
+
+    # --- the step -------------------------------------------------------------------------
+    def schedule(self, now: float) -> ScheduledBatch:
+        c = self.config
+        decodes = self.decoding()
+        long_req = self.long_pending()
+        plan = self.short_batch_plan()
+        short_ready = plan is not None and self.short_ready_at(plan) <= now
+        decode_due = bool(decodes) and self.prefill_steps_since_decode >= c.max_prefill_steps_between_decodes
+        long_due = long_req is not None and self.consecutive_short >= c.max_consecutive_short
+
+        batch = ScheduledBatch([])
+        if decode_due:
+            batch = self.schedule_decode(decodes)
+        if not batch and short_ready and not long_due:
+            batch = self.schedule_short(plan)
+        if not batch and long_req is not None:
+            batch = self.schedule_long(long_req)
+        if not batch and decodes:
+            batch = self.schedule_decode(decodes)
+
+        if batch.kind == "decode":
+            self.prefill_steps_since_decode = 0
+        elif batch:
+            self.prefill_steps_since_decode += 1
+            self.consecutive_short = self.consecutive_short + 1 if batch.kind == "short" else 0
+        return batch
+
+    def schedule_decode(self, decodes: list[Request]) -> ScheduledBatch:
+        items: list[BatchItem] = []
+        preempted: list[Request] = []
+        for req in decodes:
+            if req in self.running and self.reserve_or_preempt(req, 1, items, preempted):
+                items.append(BatchItem(req, 1))
+        return ScheduledBatch(items, kind="decode", preempted=preempted)
+
+    def schedule_short(self, plan: tuple[list[Request], int]) -> ScheduledBatch:
+        reqs, bucket = plan
+        items = []
+        for req in reqs:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            n = self.try_start(req, bucket)
             if n == 0:
                 break
+            if n < req.num_pending_tokens:  # cannot happen for a fresh short prompt; keep the step sound
+                self.finish_partial(req)
+                break
             items.append(BatchItem(req, n))
-            budget -= n
-        return ScheduledBatch(items, kind="mixed", preempted=preempted)
+        # A request that hit the prefix cache after all cannot run padded from position 0: the batch
+        # then takes the varlen eager path (a grid fallback).
+        static = all(it.request.num_computed_tokens == 0 for it in items)
+        return ScheduledBatch(items, kind="short", bucket=bucket if static else None)
+
+    def finish_partial(self, req: Request) -> None:
+        """Undo :meth:`try_start` for ``req`` (back to the head of the queue, blocks freed)."""
+        self.running.remove(req)
+        self.free(req)
+        self.waiting.appendleft(req)
+
+    def schedule_long(self, req: Request) -> ScheduledBatch:
+        chunk = self.config.long_chunk_size
+        if req in self.running:
+            n = min(req.num_pending_tokens, chunk)
+            preempted: list[Request] = []
+            if not self.reserve_or_preempt(req, n, [], preempted):
+                return ScheduledBatch([], preempted=preempted)
+            return ScheduledBatch([BatchItem(req, n)], kind="long", preempted=preempted)
+        if len(self.running) >= self.max_num_seqs:
+            return ScheduledBatch([])
+        n = self.try_start(req, chunk)
+        return ScheduledBatch([BatchItem(req, n)] if n else [], kind="long")
+
+
+POLICIES: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PlaScheduler, FcfsScheduler, SpfScheduler)}

@@ -1,0 +1,36 @@
+"""The adaptive batch waiting window for short prefills (the research design's AWD).
+
+Short requests wait at the head of the short queue for a window ``W`` so that more can join their
+batch. ``W`` follows the arrival rate: the window is the time a full batch is expected to take to
+arrive, when that is within ``W_max``; otherwise waiting would not fill the batch anyway, so the window
+shrinks to ``W_min``. The batch also leaves early when it is full or when a request's deadline slack
+runs out (see :class:`~plaserve.scheduler.policy.PlaScheduler`).
+"""
+
+from __future__ import annotations
+
+
+class AdaptiveWindow:
+    """Tracks the short-request arrival rate and turns it into a waiting window (seconds)."""
+
+    def __init__(self, w_min: float, w_max: float, smoothing: float = 0.2) -> None:
+        if not 0 <= w_min <= w_max:
+            raise ValueError(f"need 0 <= W_min <= W_max, got {w_min}, {w_max}")
+        self.w_min, self.w_max = w_min, w_max
+        self.smoothing = smoothing
+        self.mean_gap: float | None = None  # EWMA of the time between short arrivals
+        self.last_arrival: float | None = None
+
+    def observe_arrival(self, t: float) -> None:
+        """Record one short request arriving at time ``t``."""
+        if self.last_arrival is not None:
+            gap = max(0.0, t - self.last_arrival)
+            self.mean_gap = gap if self.mean_gap is None else (1 - self.smoothing) * self.mean_gap + self.smoothing * gap
+        self.last_arrival = t
+
+    def width(self, batch_target: int, queued: int) -> float:
+        """Window for a batch that has ``queued`` requests and could take ``batch_target``."""
+        if self.mean_gap is None or queued >= batch_target:
+            return self.w_min
+        fill_time = (batch_target - queued) * self.mean_gap
+        return min(max(fill_time, self.w_min), self.w_max) if fill_time <= self.w_max else self.w_min
