@@ -12,7 +12,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 def make_engine(path: str, **kw) -> LLMEngine:
     args = dict(model=path, kv_cache_memory="16MiB", max_model_len=1024) | kw
-    return LLMEngine(EngineConfig(**args))
+    return LLMEngine(EngineConfig.from_kwargs(**args))
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY):
@@ -33,12 +33,14 @@ PROMPTS = prompts(5, 40, 300, 600)
 @pytest.fixture(scope="module")
 def alone(llama_ckpt):
     """Reference outputs: each prompt alone, unchunked, no prefix caching."""
-    engine = make_engine(llama_ckpt, enable_prefix_caching=False, max_num_batched_tokens=1024)
+    engine = make_engine(llama_ckpt, enable_prefix_caching=False, max_num_batched_tokens=1024, policy="fcfs")
     return {tuple(p): run(engine, [p])[0].output_token_ids for p in PROMPTS}
 
 
-def test_chunked_prefill_equals_unchunked(llama_ckpt, alone):
-    engine = make_engine(llama_ckpt, max_num_batched_tokens=64, enable_prefix_caching=False)
+@pytest.mark.parametrize("policy", ["fcfs", "spf", "pla"])
+def test_chunked_prefill_equals_unchunked(llama_ckpt, alone, policy):
+    engine = make_engine(llama_ckpt, max_num_batched_tokens=64, long_chunk_size=64, short_threshold=64,
+                         enable_prefix_caching=False, policy=policy)
     reqs = run(engine, PROMPTS)
     for r in reqs:
         assert r.output_token_ids == alone[tuple(r.prompt_token_ids)]
@@ -47,8 +49,9 @@ def test_chunked_prefill_equals_unchunked(llama_ckpt, alone):
     assert sum(n for _, _, n in long.metrics.prefill_chunks) == 600
 
 
-def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone):
-    engine = make_engine(llama_ckpt)
+@pytest.mark.parametrize("policy", ["fcfs", "pla"])
+def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone, policy):
+    engine = make_engine(llama_ckpt, policy=policy)
     p600 = PROMPTS[3]
     first = run(engine, [p600])[0]
     assert first.metrics.num_cached_tokens == 0
@@ -63,11 +66,12 @@ def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone):
     assert engine.allocator.num_used_blocks == 0
 
 
-def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone):
+@pytest.mark.parametrize("policy", ["fcfs", "pla"])
+def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone, policy):
     # 45 blocks of 16 tokens (8 KiB each in this model) for 1,105 tokens of demand: with small chunks
     # every request starts early, they outgrow the cache together and some must be preempted.
     engine = make_engine(llama_ckpt, kv_cache_memory=str(45 * 8192), max_model_len=640,
-                         max_num_batched_tokens=64, enable_prefix_caching=False)
+                         max_num_batched_tokens=64, long_chunk_size=64, enable_prefix_caching=False, policy=policy)
     reqs = run(engine, PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     ref = make_engine(llama_ckpt, enable_prefix_caching=False)
     for r in reqs:
@@ -76,10 +80,13 @@ def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone):
     assert engine.allocator.num_used_blocks == 0
 
 
-def test_abort_and_finish_free_every_block(llama_ckpt):
-    engine = make_engine(llama_ckpt)
+@pytest.mark.parametrize("policy", ["fcfs", "pla"])
+def test_abort_and_finish_free_every_block(llama_ckpt, policy):
+    engine = make_engine(llama_ckpt, policy=policy)
     reqs = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in prompts(30, 200, 500)]
-    engine.step()
+    while not all(r.block_table for r in reqs):  # pla may first hold shorts in their batch window
+        engine.step()
+        engine.wait_for_work()
     assert engine.allocator.num_used_blocks > 0
     assert engine.abort(reqs[1].request_id)
     assert not engine.abort(reqs[1].request_id)

@@ -9,8 +9,9 @@
 
 Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_between_decodes``):
 
-* **Head of line.** Once its window has closed, a short request is dispatched after at most one long
-  chunk and at most one decode step (besides the step already running).
+* **Head of line.** Once its batch's window has closed and it is at the head of the short queue, a
+  short request is dispatched after at most one long chunk (besides the step already running); decode
+  steps run in between only as the decode cadence requires.
 * **Long progress.** While a long prefill is pending, at most ``K`` short batches run in a row before
   its next chunk. A long request at the head of the long queue with ``C`` chunks left therefore finishes
   its prefill within ``C * (K + 1)`` prefill steps (plus the decode steps between them).
@@ -86,6 +87,7 @@ class PlaScheduler(Scheduler):
         self.window = AdaptiveWindow(c.w_min, c.w_max)
         self.consecutive_short = 0  # short batches since the last long chunk
         self.prefill_steps_since_decode = 0
+        self.last_short_dispatch = float("-inf")
         self.long_chunk_time = self.cost.prefill_time(c.long_chunk_size)  # slack margin: one chunk
 
     # --- queues ---------------------------------------------------------------------------
@@ -110,7 +112,7 @@ class PlaScheduler(Scheduler):
         return [(b, k) for k in self.buckets for b in self.batch_sizes if b <= self.max_batch_for(k)]
 
     def _uncached(self, req: Request) -> int:
-        return req.num_tokens - req.num_computed_tokens
+        return req.uncached_estimate
 
     def short_candidates(self) -> list[Request]:
         return [r for r in self.waiting if r.length_class == "short"]
@@ -134,7 +136,7 @@ class PlaScheduler(Scheduler):
         reqs, bucket = plan
         target = self.max_batch_for(bucket)
         if len(reqs) >= target:
-            return float("-inf")  # full: go now
+            return reqs[target - 1].metrics.arrival_time  # full since its last member arrived
         oldest = reqs[0].metrics.arrival_time
         window_end = oldest + self.window.width(target, len(reqs))
         # Deadline slack: leave when waiting longer would leave less than one long chunk of margin
@@ -155,7 +157,14 @@ class PlaScheduler(Scheduler):
         decodes = self.decoding()
         long_req = self.long_pending()
         plan = self.short_batch_plan()
-        short_ready = plan is not None and self.short_ready_at(plan) <= now
+        ready_at = self.short_ready_at(plan) if plan is not None else None
+        short_ready = ready_at is not None and ready_at <= now
+        if short_ready:
+            # Ready = window closed and at the head of the short queue (heads change only when a
+            # short batch leaves): the moment the head-of-line guarantee starts to count.
+            for r in plan[0]:
+                if r.metrics.ready_time is None:
+                    r.metrics.ready_time = max(ready_at, self.last_short_dispatch, r.metrics.arrival_time)
         decode_due = bool(decodes) and self.prefill_steps_since_decode >= c.max_prefill_steps_between_decodes
         long_due = long_req is not None and self.consecutive_short >= c.max_consecutive_short
 
@@ -169,6 +178,8 @@ class PlaScheduler(Scheduler):
         if not batch and decodes:
             batch = self.schedule_decode(decodes)
 
+        if batch.kind == "short":
+            self.last_short_dispatch = now
         if batch.kind == "decode":
             self.prefill_steps_since_decode = 0
         elif batch:
@@ -193,9 +204,11 @@ class PlaScheduler(Scheduler):
             n = self.try_start(req, bucket)
             if n == 0:
                 break
-            if n < req.num_pending_tokens:  # cannot happen for a fresh short prompt; keep the step sound
+            if n < req.num_pending_tokens:
+                # Its cached prefix was evicted since arrival: it is long now. Back to the queue.
                 self.finish_partial(req)
-                break
+                req.length_class, req.uncached_estimate = "long", req.num_tokens
+                continue
             items.append(BatchItem(req, n))
         # A request that hit the prefix cache after all cannot run padded from position 0: the batch
         # then takes the varlen eager path (a grid fallback).

@@ -1,0 +1,266 @@
+"""The HTTP app: OpenAI-compatible generation endpoints, tokenize, health, metrics, load reports.
+
+Routes (docs/SERVER.md has the full list with status codes):
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``stream: true``)
+* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``
+* ``GET /load``: the engine's load report, the signal plaserve's router balances on
+* ``GET /server_info``, ``GET /model_info``, ``GET /get_load`` (and ``/get_server_info``,
+  ``/get_model_info``): what sglang-router reads from a worker
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import plaserve
+from plaserve.engine.request import SamplingParams
+from plaserve.server.auth import ApiKeyMiddleware
+from plaserve.server.deltas import DeltaTracker
+from plaserve.server.engine_loop import EngineLoop
+from plaserve.server.errors import ApiError, error_body
+from plaserve.server.generation import ClientDisconnected, EventStreamResponse, Generation, until_disconnect
+from plaserve.server.prompts import ModelLimits, check_prompt, encode_chat, encode_prompt
+from plaserve.server.protocol import (SamplingFields, parse_chat_request, parse_completion_request,
+                                      parse_json_object, parse_tokenize_request)
+from plaserve.server import responses as R
+
+log = logging.getLogger(__name__)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+
+
+class _Handlers:
+    """Route handlers bound to one engine loop; everything they read from the engine is fixed at start."""
+
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str) -> None:
+        engine = engine_loop.engine
+        self.loop = engine_loop
+        self.model_name = served_model_name
+        self.tokenizer = engine.tokenizer
+        self.limits = ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
+        self.model_path = engine.loaded.path
+        self.created = int(time.time())
+        self.server_info = {
+            "model_path": engine.loaded.path or engine.loaded.name,
+            "tokenizer_path": engine.loaded.path or engine.loaded.name,
+            "served_model_name": served_model_name,
+            "random_weights": engine.loaded.random_weights,
+            "version": plaserve.__version__,
+            "dp_size": 1,
+            "tp_size": 1,
+            "context_length": engine.max_model_len,
+            "max_running_requests": engine.scheduler.max_num_seqs,
+            "max_total_tokens": engine.allocator.num_blocks * engine.allocator.block_size,
+            "max_queue": engine_loop.max_queue,
+            "policy": engine_loop.snapshot().load.get("policy"),
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."),
+        }
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    async def _body(request: Request) -> dict[str, Any]:
+        return parse_json_object(await request.body())
+
+    @staticmethod
+    def _params(s: SamplingFields, max_tokens: int) -> SamplingParams:
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                  seed=s.seed, stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    # --- generation ----------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        req = parse_completion_request(await self._body(request))
+        self._check_model(req.model)
+        prompts, params = [], []
+        for prompt in req.prompts:
+            ids = encode_prompt(self.tokenizer, prompt)
+            max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
+            if req.sampling.max_tokens is None:
+                max_tokens = min(max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+            prompts.append(ids)
+            params.append(self._params(req.sampling, max_tokens))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        gen = Generation.submit(self.loop, rid, prompts, params)
+        if req.stream:
+            return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling.stop))
+        outputs = await self._wait(request, gen)
+        return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs))
+
+    async def chat(self, request: Request) -> Response:
+        req = parse_chat_request(await self._body(request))
+        self._check_model(req.model)
+        ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
+        max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gen = Generation.submit(self.loop, rid, [ids], [self._params(req.sampling, max_tokens)])
+        if req.stream:
+            return EventStreamResponse(self._stream_chat(gen, rid, req.include_usage, req.sampling.stop))
+        outputs = await self._wait(request, gen)
+        return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs))
+
+    async def _wait(self, request: Request, gen: Generation) -> list:
+        try:
+            return await until_disconnect(request, gen.result())
+        except ClientDisconnected:
+            raise ApiError(499, "client disconnected") from None  # never seen by the client; for the logs
+        finally:
+            gen.close()
+
+    async def _stream_completion(self, gen: Generation, rid: str, include_usage: bool,
+                                 stops: tuple[str, ...]) -> AsyncIterator[str]:
+        created, name = int(time.time()), self.model_name
+        trackers = [DeltaTracker(stops) for _ in gen.submissions]
+        try:
+            async for batch in gen.updates():
+                for i, out in sorted(batch.items()):
+                    text = trackers[i].delta(out.outputs[0].text, out.finished)
+                    reason = out.outputs[0].finish_reason if out.finished else None
+                    yield R.sse(R.completion_chunk(rid, created, name, i, text, reason, include_usage))
+            if include_usage:
+                yield R.sse(R.usage_chunk(rid, created, name, "text_completion", list(gen.final.values())))
+        except ApiError as e:  # headers are sent already: report the error in the stream
+            self.loop.metrics.count_error(e.status)
+            yield R.sse(e.body())
+        finally:
+            gen.close()
+        yield R.DONE
+
+    async def _stream_chat(self, gen: Generation, rid: str, include_usage: bool,
+                           stops: tuple[str, ...]) -> AsyncIterator[str]:
+        created, name = int(time.time()), self.model_name
+        tracker = DeltaTracker(stops)
+        try:
+            yield R.sse(R.chat_chunk(rid, created, name, 0, {"role": "assistant", "content": ""}, None, include_usage))
+            async for batch in gen.updates():
+                out = batch[0]
+                text = tracker.delta(out.outputs[0].text, out.finished)
+                reason = out.outputs[0].finish_reason if out.finished else None
+                yield R.sse(R.chat_chunk(rid, created, name, 0, {"content": text}, reason, include_usage))
+            if include_usage:
+                yield R.sse(R.usage_chunk(rid, created, name, "chat.completion.chunk", list(gen.final.values())))
+        except ApiError as e:
+            self.loop.metrics.count_error(e.status)
+            yield R.sse(e.body())
+        finally:
+            gen.close()
+        yield R.DONE
+
+    # --- model and tokenizer -------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "plaserve",
+                "root": self.model_path or self.model_name, "parent": None,
+                "max_model_len": self.limits.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        req = parse_tokenize_request(await self._body(request))
+        self._check_model(req.model)
+        if req.messages is not None:
+            ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
+        else:
+            ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids})
+
+    # --- health and load -----------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if not self.loop.alive:
+            raise ApiError(503, "the engine is not running")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(self.loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def load(self, request: Request) -> Response:
+        snap = self.loop.snapshot()
+        return JSONResponse({**snap.load, "pending": snap.pending, "num_tokens": snap.num_tokens,
+                             "timestamp": snap.time})
+
+    async def get_load(self, request: Request) -> Response:
+        snap = self.loop.snapshot()
+        queued = sum(snap.load["queued"].values())
+        running = sum(snap.load["running"].values())
+        return JSONResponse([{"dp_rank": 0, "num_reqs": queued + running + snap.pending,
+                              "num_waiting_reqs": queued + snap.pending, "num_tokens": snap.num_tokens}])
+
+    async def get_server_info(self, request: Request) -> Response:
+        snap = self.loop.snapshot()
+        queued, running = sum(snap.load["queued"].values()), sum(snap.load["running"].values())
+        state = {"waiting_queue_size": queued + snap.pending, "running_queue_size": running}
+        return JSONResponse({**self.server_info, **state, "internal_states": [state]})
+
+    async def get_model_info(self, request: Request) -> Response:
+        return JSONResponse({"model_path": self.server_info["model_path"],
+                             "tokenizer_path": self.server_info["tokenizer_path"],
+                             "served_model_name": self.model_name, "is_generation": True,
+                             "max_context_length": self.limits.max_model_len, "vocab_size": self.limits.vocab_size,
+                             "random_weights": self.server_info["random_weights"]})
+
+
+def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, api_key: str | None = None) -> Starlette:
+    """The Starlette app around ``engine_loop``; it starts the loop on startup and stops it on shutdown."""
+    h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name)
+    count_error: Callable[[int], None] = engine_loop.metrics.count_error
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        count_error(exc.status)
+        return exc.response()
+
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        count_error(exc.status_code)
+        return JSONResponse(error_body(exc.status_code, exc.detail), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        count_error(500)
+        return JSONResponse(error_body(500, f"internal server error: {exc!r}"), status_code=500)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine_loop.start()
+        yield
+        await asyncio.to_thread(engine_loop.stop)
+
+    routes = [
+        Route("/v1/completions", h.completions, methods=["POST"]),
+        Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+        Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/metrics", h.metrics, methods=["GET"]),
+        Route("/load", h.load, methods=["GET"]),
+        Route("/get_load", h.get_load, methods=["GET"]),
+        Route("/server_info", h.get_server_info, methods=["GET"]),
+        Route("/get_server_info", h.get_server_info, methods=["GET"]),
+        Route("/model_info", h.get_model_info, methods=["GET"]),
+        Route("/get_model_info", h.get_model_info, methods=["GET"]),
+    ]
+    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, on_reject=count_error)] if api_key else []
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_exception,
+                                         Exception: on_error})

@@ -1,0 +1,82 @@
+"""``plaserve serve [MODEL_DIR]``: load the model, start the engine thread, serve HTTP with uvicorn.
+
+Flags follow ``vllm serve`` where one exists (``--host``, ``--port``, ``--max-model-len``,
+``--api-key``, ``--served-model-name``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from plaserve.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve`` subcommand's flags."""
+    p.add_argument("model", nargs="?", default=None,
+                   help="local Hugging Face model directory (default: the embedded random-weight model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--policy", default=None, help="scheduling policy, e.g. pla, fcfs, spf (default: the engine's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) in tokens")
+    p.add_argument("--kv-cache-memory", default="auto", help="KV cache size: bytes, 2GiB, or a fraction like 0.5")
+    p.add_argument("--profile", default=None, help="calibrated cost profile (from `plaserve calibrate`)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests allowed to wait before new ones get 429 (default: unbounded)")
+    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests holding KV blocks at once")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`EngineConfig` the flags describe (unset flags keep the engine's defaults)."""
+    kwargs: dict[str, object] = {"model": args.model, "kv_cache_memory": args.kv_cache_memory,
+                                 "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
+                                 "seed": args.seed}
+    if args.policy is not None:
+        kwargs["policy"] = args.policy
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.profile is not None:
+        if "profile" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise ValueError("--profile is not supported yet: this engine has no cost-profile setting")
+        kwargs["profile"] = args.profile
+    return EngineConfig.from_kwargs(**kwargs)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine and serve until interrupted. Returns the process exit status."""
+    import uvicorn
+
+    from plaserve.engine.engine import LLMEngine
+    from plaserve.server.app import build_app
+    from plaserve.server.engine_loop import EngineLoop
+
+    if args.max_queue is not None and args.max_queue < 1:
+        print("plaserve serve: --max-queue must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        engine = LLMEngine(engine_config_from_args(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"plaserve serve: {e}", file=sys.stderr)
+        return 2
+    loop = EngineLoop(engine, max_queue=args.max_queue)
+    name = args.served_model_name or engine.loaded.name
+    app = build_app(loop, served_model_name=name, api_key=args.api_key)
+    if engine.loaded.random_weights:
+        print(f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design", file=sys.stderr)
+    print(f"plaserve: serving '{name}' on http://{args.host}:{args.port} (policy {loop.snapshot().load['policy']}, "
+          f"max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+    return 0

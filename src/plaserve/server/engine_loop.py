@@ -1,0 +1,282 @@
+"""The engine on its own thread: a thread-safe inbox in, per-request asyncio queues out.
+
+:class:`plaserve.LLMEngine` is not thread-safe, so exactly one thread (this loop's) ever calls it. HTTP
+handlers never touch the engine: they put submissions and aborts in the inbox (a list under a
+condition variable) and read the latest published :class:`EngineSnapshot`. The engine thread takes the
+whole inbox between steps, steps while there is work, sleeps on the condition when there is none, and
+hands each output to its request's asyncio queue with ``loop.call_soon_threadsafe``. So a slow HTTP
+client never blocks a step, and a long step never blocks HTTP (torch releases the GIL while it computes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Union
+
+from plaserve.engine.engine import LLMEngine
+from plaserve.engine.request import Request, RequestOutput, SamplingParams
+from plaserve.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The engine already has ``max_queue`` requests waiting; ``retry_after`` is a hint in seconds."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStoppedError(Exception):
+    """The engine loop is not running (shut down, or it crashed: see the server log)."""
+
+
+class OutputSink:
+    """Where one request's outputs go: an asyncio queue on the HTTP event loop, items tagged with the
+    request's choice ``index`` (one HTTP request may carry several prompts sharing one queue)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0) -> None:
+        self.loop = loop
+        self.queue = queue
+        self.index = index
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand ``item`` over from any thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class Submission:
+    """A validated request on its way to the engine. ``arrival_time`` is on the engine's clock."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sink: OutputSink
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_Command = Union[Submission, _Abort]
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's load as last published by its thread (HTTP handlers read only this)."""
+
+    load: dict  # LLMEngine.load_report()
+    stats: dict  # LLMEngine.stats
+    num_tokens: int  # prompt + generated tokens of every unfinished request
+    pending: int  # submissions in the inbox, not yet in the engine
+    time: float  # time.time() when taken
+
+
+@dataclass
+class _Tracked:
+    """A request the loop is feeding, with what metrics need between its outputs."""
+
+    request: Request
+    sink: OutputSink
+    length_class: str | None = None
+    tokens_seen: int = 0
+    last_token_time: float = 0.0
+
+
+class EngineLoop:
+    """Runs ``engine`` on a daemon thread; see the module docstring.
+
+    ``max_queue`` bounds the requests waiting to start (in the inbox or the engine's waiting queue);
+    :meth:`submit` raises :class:`QueueFullError` beyond it (None: unbounded).
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_queue: int | None = None, snapshot_interval: float = 0.01,
+                 max_idle_wait: float = 0.05) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.snapshot_interval = snapshot_interval
+        self.max_idle_wait = max_idle_wait  # longest sleep while the policy holds queued work back
+        self.clock = engine.clock
+        self.metrics = ServerMetrics(snapshot=self.snapshot)
+        self._cond = threading.Condition()
+        self._inbox: list[_Command] = []
+        self._in_transit = 0  # submissions taken from the inbox, not yet counted in _num_waiting
+        self._num_waiting = 0  # the engine's waiting queue length after the last step
+        self._stopping = False
+        self._error: BaseException | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._thread: threading.Thread | None = None
+        self._last_publish = 0.0
+        self._snapshot = self._take_snapshot(pending=0)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="plaserve-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop after the current step; unfinished requests get :class:`EngineStoppedError`."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine thread runs and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._error is None
+
+    # --- called from HTTP handlers (any thread) ----------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """The latest published load (at most ``snapshot_interval`` old while busy, exact when idle)."""
+        return self._snapshot
+
+    def submit(self, submissions: list[Submission]) -> None:
+        """Queue requests for the engine, all or none. Raises QueueFullError or EngineStoppedError."""
+        with self._cond:
+            if not self.alive:
+                raise EngineStoppedError("the engine is not running")
+            if self.max_queue is not None:
+                queued = self._num_waiting + self._in_transit + sum(isinstance(c, Submission) for c in self._inbox)
+                if queued + len(submissions) > self.max_queue:
+                    backlog = sum(self._snapshot.load.get("backlog_s", {}).values())
+                    raise QueueFullError(f"the request queue is full ({queued} waiting, limit {self.max_queue}); "
+                                         f"retry later", retry_after=backlog)
+            self._inbox.extend(submissions)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to drop a request and free its KV blocks (no-op once it finished)."""
+        with self._cond:
+            self._inbox.append(_Abort(request_id))
+            self._cond.notify()
+
+    # --- the engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = self._next_commands()
+                if commands is None:
+                    break
+                self._apply(commands)
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish(force=not self.engine.has_unfinished())
+        except Exception as e:  # the engine's state is unknown now: fail everything, report unhealthy
+            log.exception("engine loop crashed")
+            self._error = e
+        finally:
+            self._fail_all(EngineStoppedError("the engine stopped" if self._error is None
+                                              else f"the engine failed: {self._error!r}"))
+
+    def _next_commands(self) -> list[_Command] | None:
+        """Take the inbox, sleeping while there is nothing at all to do. None: stop."""
+        with self._cond:
+            while not self._inbox and not self._stopping and not self.engine.has_unfinished():
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands, self._inbox = self._inbox, []
+            self._in_transit = sum(isinstance(c, Submission) for c in commands)
+            return commands
+
+    def _apply(self, commands: list[_Command]) -> None:
+        for cmd in commands:
+            if isinstance(cmd, Submission):
+                try:
+                    req = self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
+                                                  arrival_time=cmd.arrival_time)
+                except ValueError as e:  # validated on the HTTP side already; this is the safety net
+                    cmd.sink.put(e)
+                    continue
+                self._tracked[req.request_id] = _Tracked(req, cmd.sink)
+            else:
+                self._abort(cmd.request_id)
+        with self._cond:
+            self._num_waiting = len(self.engine.scheduler.waiting)
+            self._in_transit = 0
+
+    def _abort(self, request_id: str) -> None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None or not self.engine.abort(request_id):
+            return
+        req = tracked.request
+        cls = tracked.length_class or self.engine.length_class(req)
+        self.metrics.observe_finish(cls, "abort", None, req.num_prompt_tokens, len(req.output_token_ids))
+
+    def _step(self) -> None:
+        steps_before = self.engine.stats.get("num_steps", 0)
+        outputs = self.engine.step()
+        now = self.clock()
+        for out in outputs:
+            self._deliver(out, now)
+        with self._cond:
+            self._num_waiting = len(self.engine.scheduler.waiting)
+            if self.engine.stats.get("num_steps", 0) == steps_before and not self._inbox and not self._stopping:
+                # The policy ran nothing although work is queued (it holds short requests for a batch
+                # window): sleep until it will have work instead of spinning; a new command wakes us early.
+                wake = self.engine.next_wakeup()
+                delay = self.max_idle_wait if wake is None else wake - self.clock()
+                if delay > 0:
+                    self._cond.wait(min(delay, self.max_idle_wait))
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            return
+        n = len(out.outputs[0].token_ids)
+        if n > tracked.tokens_seen:
+            if tracked.tokens_seen == 0:
+                tracked.length_class = self.engine.length_class(tracked.request)
+                ttft = out.metrics.ttft
+                self.metrics.observe_first_token(tracked.length_class, ttft if ttft is not None else 0.0)
+            else:
+                self.metrics.observe_token_gap(tracked.length_class, now - tracked.last_token_time)
+            tracked.tokens_seen, tracked.last_token_time = n, now
+        if out.finished:
+            del self._tracked[out.request_id]
+            cls = tracked.length_class or self.engine.length_class(tracked.request)
+            m = out.metrics
+            e2e = None if m.finish_time is None else m.finish_time - m.arrival_time
+            self.metrics.observe_finish(cls, out.outputs[0].finish_reason or "stop", e2e, len(out.prompt_token_ids), n)
+        tracked.sink.put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            pending = [c for c in self._inbox if isinstance(c, Submission)]
+            self._inbox = []
+        for sub in pending:
+            sub.sink.put(error)
+        for tracked in self._tracked.values():
+            tracked.sink.put(error)
+        self._tracked.clear()
+
+    def _publish(self, force: bool = False) -> None:
+        """Publish a fresh snapshot, at most every ``snapshot_interval`` unless ``force`` (going idle)."""
+        now = time.monotonic()
+        if not force and now - self._last_publish < self.snapshot_interval:
+            return
+        with self._cond:
+            pending = sum(isinstance(c, Submission) for c in self._inbox)
+        self._snapshot = self._take_snapshot(pending)
+        self._last_publish = now
+
+    def _take_snapshot(self, pending: int) -> EngineSnapshot:
+        sched = self.engine.scheduler
+        num_tokens = sum(r.num_tokens for r in list(sched.waiting) + list(sched.running))
+        return EngineSnapshot(load=self.engine.load_report(), stats=dict(self.engine.stats), num_tokens=num_tokens,
+                              pending=pending, time=time.time())

@@ -1,0 +1,292 @@
+"""Request bodies of the OpenAI-compatible endpoints, parsed and checked into frozen dataclasses.
+
+Parsing here is about the *shape* of a request: JSON types, required fields, value ranges that need no
+model. Checks that need the model (prompt length, vocabulary) live in :mod:`plaserve.server.prompts`.
+
+Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
+report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
+Unknown fields are ignored, as OpenAI clients send extras (``user``, ``presence_penalty`` at 0, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from plaserve.server.errors import ApiError
+
+Prompt = str | list[int]
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class SamplingFields:
+    """The sampling and stopping fields shared by completions and chat (``max_tokens`` None: the
+    endpoint's default)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """``POST /v1/completions``: one choice per prompt (``prompt`` may be a batch)."""
+
+    model: str | None
+    prompts: tuple[Prompt, ...]
+    stream: bool
+    include_usage: bool
+    sampling: SamplingFields
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """``POST /v1/chat/completions``: messages with string content (text parts are joined)."""
+
+    model: str | None
+    messages: tuple[dict[str, str], ...]
+    stream: bool
+    include_usage: bool
+    add_generation_prompt: bool
+    sampling: SamplingFields
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's shape): either ``prompt`` or chat ``messages``."""
+
+    model: str | None
+    prompt: str | None
+    messages: tuple[dict[str, str], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+# --- the JSON body ------------------------------------------------------------------------------
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; malformed JSON or a non-object is a 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# --- typed field access -------------------------------------------------------------------------
+def _type_error(name: str, expected: str, value: Any) -> ApiError:
+    return ApiError(422, f"field '{name}' must be {expected}, got {_json_type(value)}", param=name)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a number
+
+
+def _opt_int(body: dict, name: str, default: int | None = None) -> int | None:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and value.is_integer():  # 16.0 is an integer in JSON's number type
+        return int(value)
+    raise _type_error(name, "an integer", value)
+
+
+def _opt_float(body: dict, name: str, default: float) -> float:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise _type_error(name, "a number", value)
+
+
+def _opt_bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    raise _type_error(name, "a boolean", value)
+
+
+def _opt_str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    raise _type_error(name, "a string", value)
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise _type_error(name, "an array of integers", value)
+    return list(value)
+
+
+# --- shared fields ------------------------------------------------------------------------------
+def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> SamplingFields:
+    """Sampling fields, with range checks that match :class:`plaserve.SamplingParams` (400 on bad values)."""
+    max_tokens = None
+    for name in max_tokens_names:
+        max_tokens = _opt_int(body, name)
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+            break
+    n = _opt_int(body, "n", 1)
+    if n != 1:
+        raise ApiError(400, f"only n = 1 is supported, got n = {n}", param="n")
+    best_of = _opt_int(body, "best_of", 1)
+    if best_of not in (None, 1):
+        raise ApiError(400, f"only best_of = 1 is supported, got {best_of}", param="best_of")
+    if body.get("logprobs") not in (None, False) or body.get("echo") not in (None, False):
+        raise ApiError(400, "logprobs and echo are not supported", param="logprobs")
+    temperature = _opt_float(body, "temperature", 1.0)
+    if temperature < 0:
+        raise ApiError(400, f"'temperature' must be non-negative, got {temperature}", param="temperature")
+    top_p = _opt_float(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _opt_int(body, "top_k", -1)
+    if top_k < -1:
+        raise ApiError(400, f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
+    stop_value = body.get("stop")
+    if stop_value is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_value, str):
+        stop = (stop_value,)
+    elif isinstance(stop_value, list) and all(isinstance(s, str) for s in stop_value):
+        stop = tuple(stop_value)
+    else:
+        raise _type_error("stop", "a string or an array of strings", stop_value)
+    if any(s == "" for s in stop):
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    stop_ids = body.get("stop_token_ids")
+    return SamplingFields(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=_opt_int(body, "seed"),
+        stop=stop,
+        stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
+        ignore_eos=_opt_bool(body, "ignore_eos", False),
+    )
+
+
+def _parse_stream(body: dict) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = _opt_bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    if not stream:
+        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    return stream, _opt_bool(options, "include_usage", False)
+
+
+def _parse_messages(body: dict) -> tuple[dict[str, str], ...]:
+    """Chat messages as ``{"role": str, "content": str}``; content parts of type text are joined."""
+    value = body.get("messages", _MISSING)
+    if value is _MISSING:
+        raise ApiError(422, "field 'messages' is required", param="messages")
+    if not isinstance(value, list):
+        raise _type_error("messages", "an array of message objects", value)
+    if not value:
+        raise ApiError(400, "'messages' must contain at least one message", param="messages")
+    out = []
+    for i, message in enumerate(value):
+        name = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _type_error(name, "an object", message)
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise _type_error(f"{name}.role", "a string", role)
+        content = message.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"{name}.content: only text parts are supported", param=f"{name}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise _type_error(f"{name}.content", "a string or an array of text parts", content)
+        out.append({"role": role, "content": content})
+    return tuple(out)
+
+
+# --- endpoints ----------------------------------------------------------------------------------
+def parse_prompts(value: Any) -> tuple[Prompt, ...]:
+    """``prompt``: a string, an array of token ids, or an array of either (a batch)."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list):
+        if not value:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        if all(_is_int(v) for v in value):
+            return (list(value),)
+        if all(isinstance(v, str) for v in value):
+            return tuple(value)
+        if all(isinstance(v, list) for v in value):
+            return tuple(_int_list(v, "prompt") for v in value)
+    raise _type_error("prompt", "a string, an array of token ids, or an array of either", value)
+
+
+def parse_completion_request(body: dict) -> CompletionRequest:
+    """Parse a ``/v1/completions`` body."""
+    if "prompt" not in body:
+        raise ApiError(422, "field 'prompt' is required", param="prompt")
+    stream, include_usage = _parse_stream(body)
+    return CompletionRequest(model=_opt_str(body, "model"), prompts=parse_prompts(body["prompt"]), stream=stream,
+                             include_usage=include_usage, sampling=parse_sampling(body))
+
+
+def parse_chat_request(body: dict) -> ChatRequest:
+    """Parse a ``/v1/chat/completions`` body (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
+    stream, include_usage = _parse_stream(body)
+    return ChatRequest(model=_opt_str(body, "model"), messages=_parse_messages(body), stream=stream,
+                       include_usage=include_usage,
+                       add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
+                       sampling=parse_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens")))
+
+
+def parse_tokenize_request(body: dict) -> TokenizeRequest:
+    """Parse a ``/tokenize`` body: ``{"prompt": str}`` or ``{"messages": [...]}``."""
+    has_prompt, has_messages = "prompt" in body, "messages" in body
+    if has_prompt == has_messages:
+        raise ApiError(422, "give exactly one of 'prompt' and 'messages'", param="prompt")
+    prompt = _opt_str(body, "prompt") if has_prompt else None
+    if has_prompt and prompt is None:
+        raise _type_error("prompt", "a string", None)
+    return TokenizeRequest(model=_opt_str(body, "model"), prompt=prompt,
+                           messages=_parse_messages(body) if has_messages else None,
+                           add_special_tokens=_opt_bool(body, "add_special_tokens", has_prompt),
+                           add_generation_prompt=_opt_bool(body, "add_generation_prompt", True))

@@ -1,0 +1,88 @@
+"""Static (batch, bucket) runners: padded batches equal unpadded single runs; fallbacks are counted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plaserve import EngineConfig, LLMEngine, SamplingParams
+from plaserve.scheduler.base import BatchItem, ScheduledBatch
+
+
+def make_engine(path: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig.from_kwargs(**({"model": path, "kv_cache_memory": "16MiB", "max_model_len": 1024,
+                                                  "policy": "pla"} | kw)))
+
+
+def start(engine: LLMEngine, ids: list[int]) -> BatchItem:
+    req = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
+    n = engine.scheduler.try_start(req, 1024)
+    assert n == len(ids)
+    return BatchItem(req, n)
+
+
+def kv_of(engine: LLMEngine, item: BatchItem) -> torch.Tensor:
+    """The K and V of every layer for the request's tokens, ``[layers, 2, tokens, heads, dim]``."""
+    bs = engine.config.block_size
+    slots = torch.tensor([item.request.block_table[p // bs] * bs + p % bs for p in range(item.num_tokens)])
+    return torch.stack([torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]])
+                        for k, v in engine.runner.kv_caches])
+
+
+def test_padded_bucket_batch_equals_each_request_alone(llama_ckpt):
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (20, 25, 32, 17)]
+    engine = make_engine(llama_ckpt)
+    assert (4, 32) in engine.runner.grid.runners
+    items = [start(engine, p) for p in prompts]
+    batched = engine.runner.logits(ScheduledBatch(items, kind="short", bucket=32))
+    assert batched.shape[0] == 4 * 32 and engine.runner.grid.hits == 1
+    for i, item in enumerate(items):
+        alone_engine = make_engine(llama_ckpt, policy="fcfs")
+        alone_item = start(alone_engine, item.request.prompt_token_ids)
+        alone = alone_engine.runner.logits(ScheduledBatch([alone_item]))
+        n = item.num_tokens
+        torch.testing.assert_close(batched[i * 32:i * 32 + n], alone, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv_of(engine, item), kv_of(alone_engine, alone_item), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_without_grid_entry_falls_back_to_varlen(llama_ckpt):
+    engine = make_engine(llama_ckpt)
+    engine.runner.build_grid([(1, 32)], capture=False)  # a grid that lacks (2, 32)
+    items = [start(engine, list(range(1, 21))), start(engine, list(range(5, 30)))]
+    logits = engine.runner.logits(ScheduledBatch(items, kind="short", bucket=32))
+    assert logits.shape[0] == 20 + 25  # varlen: no padding
+    assert engine.stats["grid_fallbacks"] == 1 and engine.stats["grid_hits"] == 0
+
+
+@pytest.mark.parametrize("policy", ["pla", "fcfs"])
+def test_generation_through_the_grid_equals_fcfs(llama_ckpt, policy):
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 20, 60, 100, 300, 700)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ref = [o.token_ids for o in make_engine_llm(llama_ckpt, "fcfs").generate(prompts, params)]
+    llm = make_engine_llm(llama_ckpt, policy)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    if policy == "pla":
+        assert llm.engine.stats["grid_hits"] > 0
+        # Same prompts again: prefix-cache hits cannot run padded from position 0 -> counted fallbacks.
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+        assert llm.engine.stats["grid_fallbacks"] > 0
+
+
+def make_engine_llm(path: str, policy: str):
+    from plaserve import LLM
+
+    return LLM(path, kv_cache_memory="16MiB", max_model_len=1024, policy=policy)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_equals_eager(llama_ckpt):  # pragma: no cover - runs on GPU machines only
+    engine = make_engine(llama_ckpt, device="cuda", dtype="float32")
+    assert engine.runner.grid.captured
+    items = [start(engine, list(range(1, 21))), start(engine, list(range(5, 30)))]
+    graph = engine.runner.logits(ScheduledBatch(items, kind="short", bucket=32))
+    eager_engine = make_engine(llama_ckpt, device="cuda", dtype="float32", use_cuda_graphs=False)
+    eager_items = [start(eager_engine, it.request.prompt_token_ids) for it in items]
+    eager = eager_engine.runner.logits(ScheduledBatch(eager_items, kind="short", bucket=32))
+    torch.testing.assert_close(graph, eager, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,147 @@
+"""The pla policy's guarantees, checked deterministically: real scheduler, simulated clock and runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from plaserve import EngineConfig, LLMEngine
+from plaserve.cost import CostModel
+from plaserve.sim.replay import replay
+from plaserve.sim.runner import CostRunner, SimClock
+
+COST = CostModel(g1=1e-4, g2=2e-8, c0=2e-3)
+
+
+@dataclass(frozen=True)
+class A:
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int = 4
+
+
+def sim_engine(**kw) -> tuple[LLMEngine, SimClock, CostRunner]:
+    clock = SimClock()
+    runner = CostRunner(COST, clock)
+    cfg = EngineConfig.from_kwargs(**({"kv_cache_memory": "2GiB", "enable_prefix_caching": False} | kw))
+    return LLMEngine(cfg, runner=runner, cost=COST, clock=clock), clock, runner
+
+
+def steps_between(runner: CostRunner, t0: float, t1: float, kind: str) -> int:
+    """Batches of ``kind`` that started in ``[t0, t1)``."""
+    return sum(1 for start, _, b in runner.batches if t0 <= start < t1 and b.kind == kind)
+
+
+def dispatch_time(runner: CostRunner, req) -> float:
+    return next(start for start, _, b in runner.batches if any(it.request is req for it in b.items))
+
+
+def mixed_arrivals() -> list[A]:
+    arrivals = [A(0.0, 8000, 4), A(0.3, 6000, 4)]
+    arrivals += [A(0.01 + 0.037 * i, 40 + (i * 97) % 460, 6) for i in range(60)]
+    return sorted(arrivals, key=lambda a: a.arrival)
+
+
+def test_short_waits_for_at_most_one_long_chunk_after_its_window():
+    engine, clock, runner = sim_engine(policy="pla")
+    reqs = replay(engine, clock, mixed_arrivals())
+    shorts = [r for r in reqs if r.length_class == "short"]
+    assert len(shorts) == 60 and all(r.finished for r in reqs)
+    assert steps_between(runner, 0, clock.now, "long") > 10  # longs really were interleaved
+    for r in shorts:
+        ready, start = r.metrics.ready_time, dispatch_time(runner, r)
+        assert ready is not None and ready <= start
+        assert steps_between(runner, ready, start, "long") <= 1
+
+
+def record_windows(engine: LLMEngine) -> list[float]:
+    """Wrap the scheduler's window rule to log every window it opens (close time - oldest arrival)."""
+    sched, widths = engine.scheduler, []
+    inner = sched.short_ready_at
+
+    def logged(plan):
+        at = inner(plan)
+        widths.append(at - plan[0][0].metrics.arrival_time)
+        return at
+
+    sched.short_ready_at = logged
+    return widths
+
+
+def test_window_never_exceeds_w_max():
+    engine, clock, runner = sim_engine(policy="pla", w_max=0.02)
+    # Sparse shorts on an idle engine: each waits at most W_max before it runs.
+    reqs = replay(engine, clock, [A(0.5 * i, 100) for i in range(10)])
+    for r in reqs:
+        assert dispatch_time(runner, r) - r.metrics.arrival_time <= 0.02 + 1e-9
+    # Dense shorts: the window waits to fill batches, still never past W_max.
+    engine, clock, runner = sim_engine(policy="pla", w_max=0.02)
+    widths = record_windows(engine)
+    replay(engine, clock, [A(0.001 * i, 100, 1) for i in range(64)])
+    sizes = [len(b.items) for _, _, b in runner.batches if b.kind == "short"]
+    assert max(sizes) > 4
+    assert widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001  # it did wait, within bounds
+
+
+def test_deadline_slack_dispatches_before_the_window_ends():
+    # A 0.5 s window, but a TTFT SLO of 0.1 s: the batch must leave early to meet it.
+    engine, clock, runner = sim_engine(policy="pla", w_min=0.5, w_max=0.5, ttft_slo_floor=0.1,
+                                       ttft_slo_factor=1.0, long_chunk_size=256)
+    (req,) = replay(engine, clock, [A(0.0, 100)])
+    waited = dispatch_time(runner, req)
+    margin = COST.prefill_time(256)
+    exec_time = COST.batch_time([(128, 0)])
+    assert waited == pytest.approx(0.1 - exec_time - margin)
+    assert req.metrics.ttft <= 0.1
+
+
+def test_long_request_progresses_within_the_bound_under_a_stream_of_shorts():
+    # Shorts arrive faster than they can be served (about 1.6x overload), forever.
+    stream = [A(0.012 * i, 200, 1) for i in range(800)]
+    long_req = A(1.0, 4096, 1)  # arrives once the short backlog has built up
+    k, chunk = 2, 1024
+    engine, clock, runner = sim_engine(policy="pla", max_consecutive_short=k, long_chunk_size=chunk)
+    reqs = replay(engine, clock, sorted(stream + [long_req], key=lambda a: a.arrival), horizon=6.0)
+    (long,) = [r for r in reqs if r.num_prompt_tokens == 4096]
+    assert long.metrics.first_token_time is not None
+    prefill_steps = sum(1 for start, _, b in runner.batches
+                        if long.metrics.arrival_time <= start < long.metrics.first_token_time and b.kind != "decode")
+    chunks = -(-4096 // chunk)
+    assert prefill_steps <= chunks * (k + 1) + 1  # +1: the step running when it arrived
+
+    # spf under the same stream never starts the long prompt: the shorts always come first.
+    engine, clock, runner = sim_engine(policy="spf")
+    reqs = replay(engine, clock, sorted(stream + [long_req], key=lambda a: a.arrival), horizon=6.0)
+    (long,) = [r for r in reqs if r.num_prompt_tokens == 4096]
+    assert long.metrics.first_scheduled_time is None
+
+
+def test_decode_gaps_are_bounded():
+    engine, clock, runner = sim_engine(policy="pla", max_prefill_steps_between_decodes=2)
+    arrivals = [A(0.0, 100, 200)] + [A(0.02 * i, 200 + (i * 53) % 300, 2) for i in range(1, 80)]
+    arrivals.append(A(0.1, 7000, 2))
+    reqs = replay(engine, clock, arrivals)
+    assert all(r.finished for r in reqs)
+    kinds = [b.kind for _, _, b in runner.batches]
+    decoding_until = reqs[0].metrics.finish_time
+    run = 0
+    for (start, _, b) in runner.batches:
+        if start >= decoding_until:
+            break
+        run = 0 if b.kind == "decode" else run + 1
+        assert run <= 2
+    assert "long" in kinds and "short" in kinds
+
+
+def test_classification_uses_the_prefix_cache():
+    engine, clock, runner = sim_engine(policy="pla", enable_prefix_caching=True, short_threshold=512)
+    prompt = [(i * 7) % 500 for i in range(2000)]
+    first = engine.add_request(prompt, arrival_time=0.0)
+    while engine.has_unfinished():
+        engine.step()
+        if engine.last_batch is None:
+            clock.advance_to(engine.next_wakeup())
+    assert first.length_class == "long"
+    follow_up = engine.add_request(prompt + [5] * 30, arrival_time=clock.now)
+    assert follow_up.length_class == "short" and follow_up.uncached_estimate < 512
