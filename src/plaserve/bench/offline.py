@@ -1,0 +1,136 @@
+"""The in-process policy comparison: one engine per policy, the same trace slice on the wall clock.
+
+Each policy gets a fresh engine with identical settings; requests are added when their (scaled)
+arrival time comes, with that time as their arrival, so time spent waiting for a running step counts
+toward TTFT exactly as it would behind an HTTP server. Used by ``benchmarks/policies.py`` and
+``plaserve demo``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from plaserve.bench.report import RequestRecord
+from plaserve.bench.trace import TraceRequest
+from plaserve.config import EngineConfig
+from plaserve.cost import CostModel
+from plaserve.engine.engine import LLMEngine
+from plaserve.engine.request import Request, SamplingParams
+from plaserve.model.loader import LoadedModel
+from plaserve.sim.replay import random_prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SloRule:
+    """TTFT SLO of a request: ``max(floor, factor * predicted isolated prefill time)``."""
+
+    factor: float = 5.0
+    floor: float = 0.5
+
+    def ttft(self, cost: CostModel, prompt_tokens: int) -> float:
+        return max(self.floor, self.factor * cost.prefill_time(prompt_tokens))
+
+
+def fit_cost_model(engine: LLMEngine, lengths: Sequence[int] = (32, 128, 512, 1024, 2048), repeats: int = 3,
+                   seed: int = 0) -> CostModel:
+    """Measure isolated prefill times on ``engine`` and fit ``c0 + g1*L + g2*L^2/2`` by least squares.
+
+    (The calibration command does this thoroughly; the benchmark needs a quick, honest estimate to set
+    its load and SLOs before it looks at any result.)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    xs, ys = [], []
+    vocab = engine.model_config.vocab_size
+    for _ in range(repeats):
+        for n in lengths:
+            req = engine.add_request(random_prompt(n, vocab, gen), SamplingParams(max_tokens=1, temperature=0))
+            while not req.finished:
+                engine.step()
+                if engine.last_batch is None:
+                    engine.wait_for_work()
+            start, end, _ = req.metrics.prefill_chunks[0]
+            xs.append(n)
+            ys.append(sum(e - s for s, e, _ in req.metrics.prefill_chunks))
+    a = np.array([[1.0, n, n * n / 2] for n in xs])
+    coef, *_ = np.linalg.lstsq(a, np.array(ys), rcond=None)
+    c0, g1, g2 = (max(0.0, float(c)) for c in coef)
+    return CostModel(g1=g1, g2=g2, c0=c0, source="fit")
+
+
+@dataclass
+class PolicyRun:
+    """What one policy did on one slice."""
+
+    policy: str
+    requests: list[Request]
+    wall_s: float
+    busy_s: float  # time spent inside engine steps
+
+    @property
+    def utilization(self) -> float:
+        return self.busy_s / self.wall_s if self.wall_s else 0.0
+
+
+def run_policy(loaded: LoadedModel, config: EngineConfig, cost: CostModel, arrivals: Sequence[TraceRequest],
+               *, seed: int = 0, deadline_s: float | None = None) -> PolicyRun:
+    """Replay ``arrivals`` on the wall clock into a fresh engine; stops at ``deadline_s`` if given."""
+    engine = LLMEngine(config, loaded=loaded, cost=cost)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [random_prompt(a.prompt_tokens, vocab, gen) for a in arrivals]
+    reqs: list[Request] = []
+    busy = 0.0
+    t0 = engine.clock()
+    i = 0
+    while i < len(arrivals) or engine.has_unfinished():
+        now = engine.clock()
+        if deadline_s is not None and now - t0 > deadline_s:
+            break
+        while i < len(arrivals) and t0 + arrivals[i].arrival <= now:
+            a = arrivals[i]
+            params = SamplingParams(max_tokens=a.output_tokens, temperature=0, ignore_eos=True)
+            reqs.append(engine.add_request(prompts[i], params, arrival_time=t0 + a.arrival))
+            i += 1
+        s = engine.clock()
+        engine.step()
+        if engine.last_batch is not None:
+            busy += engine.clock() - s
+            continue
+        wake = [t for t in (engine.next_wakeup(), t0 + arrivals[i].arrival if i < len(arrivals) else None)
+                if t is not None]
+        if wake:
+            time.sleep(max(0.0, min(wake) - engine.clock()))
+    wall = engine.clock() - t0
+    for r in reqs:  # anything left unfinished at the deadline stays unfinished (no first token)
+        r.metrics.arrival_time -= t0
+        for name in ("first_token_time", "finish_time", "first_scheduled_time", "ready_time"):
+            v = getattr(r.metrics, name)
+            if v is not None:
+                setattr(r.metrics, name, v - t0)
+        r.metrics.token_times = [t - t0 for t in r.metrics.token_times]
+    return PolicyRun(config.scheduler.policy, reqs, wall, busy)
+
+
+def to_record(req: Request, slo: SloRule, cost: CostModel) -> RequestRecord:
+    """A benchmark record of a replayed request (one without a first token counts as failed)."""
+    m = req.metrics
+    ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
+    e2e = None if m.finish_time is None or not req.finished else m.finish_time - m.arrival_time
+    gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
+    return RequestRecord(length_class=req.length_class, prompt_tokens=req.num_prompt_tokens,
+                         output_tokens=len(req.output_token_ids), arrival=m.arrival_time, ttft=ttft, e2e=e2e,
+                         tbts=gaps, slo_ttft=slo.ttft(cost, req.num_prompt_tokens),
+                         error=None if req.finished else "unfinished at the end of the run")
+
+
+def with_policy(config: EngineConfig, policy: str) -> EngineConfig:
+    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))

@@ -1,0 +1,230 @@
+"""The policy comparison behind ``benchmarks/policies.py`` and ``plaserve demo``.
+
+See ``benchmarks/policies.py`` for the setup; everything is measured in one process, one policy after
+the other on identical inputs, so the comparison is a ratio within one session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+from plaserve.bench.offline import PolicyRun, SloRule, fit_cost_model, run_policy, to_record, with_policy
+from plaserve.bench.report import RequestRecord, format_table, summarize
+from plaserve.bench.trace import TraceRequest, load_trace
+from plaserve.config import EngineConfig, SchedulerConfig
+from plaserve.cost import CostModel
+from plaserve.engine.engine import LLMEngine
+from plaserve.model.loader import load_model, resolve_device, resolve_dtype
+
+TRACE_DIR_CANDIDATES = ("../shared/traces", "../../shared/traces", "/work/shared/traces")
+POLICIES = ("fcfs", "spf", "pla")
+
+
+def find_trace(name: str) -> str:
+    """Path of a shared trace file, looked up relative to the checkout and the working directory."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    roots = [os.getcwd(), os.path.join(here, "..", "..", "..")]
+    for root in roots:
+        for cand in TRACE_DIR_CANDIDATES:
+            path = os.path.normpath(os.path.join(root, cand, name))
+            if os.path.exists(path):
+                return path
+    raise FileNotFoundError(f"trace {name} not found in ../shared/traces")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """One trace slice, scaled to this machine."""
+
+    name: str
+    file: str
+    start: int
+    count: int
+
+
+def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, max_prompt: int,
+                 max_output: int) -> tuple[list[TraceRequest], float]:
+    """Load the slice with lengths scaled, then pick the time scale at which predicted prefill work
+    fills ``load`` of the slice's duration. Returns the requests and the time scale used."""
+    reqs = load_trace(find_trace(s.file), start=s.start, limit=s.count, length_scale=length_scale,
+                      max_prompt_tokens=max_prompt, max_output_tokens=max_output)
+    work = sum(cost.prefill_time(r.prompt_tokens) for r in reqs)
+    span = reqs[-1].arrival or 1.0
+    time_scale = work / load / span
+    return [TraceRequest(r.arrival * time_scale, r.prompt_tokens, r.output_tokens) for r in reqs], time_scale
+
+
+def summarize_run(run: PolicyRun, slo: SloRule, cost: CostModel) -> tuple[dict, list[RequestRecord]]:
+    records = [to_record(r, slo, cost) for r in run.requests]
+    return summarize(records, run.wall_s), records
+
+
+def comparison_table(results: dict[str, dict]) -> str:
+    """Markdown table: one row per policy with the issue's columns."""
+    head = ("| policy | short TTFT p50 | p90 | p99 | long TTFT p50 | p99 | SLO viol. | out tok/s | goodput req/s |"
+            " util |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = [head]
+    for pol, r in results.items():
+        s, lg, a = r["summary"]["short"], r["summary"]["long"], r["summary"]["all"]
+
+        def ms(x):
+            return "-" if x is None else f"{x:.0f}"
+        rows.append(f"| {pol} | {ms(s['ttft_ms']['p50'])} | {ms(s['ttft_ms']['p90'])} | {ms(s['ttft_ms']['p99'])} | "
+                    f"{ms(lg['ttft_ms']['p50'])} | {ms(lg['ttft_ms']['p99'])} | {a['slo_violation_rate'] * 100:.1f}% | "
+                    f"{a['output_throughput_tok_s']:.1f} | {a['goodput_req_s']:.2f} | {r['utilization'] * 100:.0f}% |")
+    return "\n".join(rows)
+
+
+def ratio_lines(results: dict[str, dict]) -> list[str]:
+    """The issue's targets, each with the measured ratio."""
+    def get(pol, cls, key, q):
+        return results[pol]["summary"][cls][key][q]
+
+    out = []
+    if "pla" in results and "fcfs" in results:
+        def change(cls, q):
+            a, b = get("pla", cls, "ttft_ms", q), get("fcfs", cls, "ttft_ms", q)
+            return None if a is None or b is None else (a - b) / b
+        v_pla = results["pla"]["summary"]["all"]["slo_violation_rate"]
+        v_fcfs = results["fcfs"]["summary"]["all"]["slo_violation_rate"]
+        checks = [("short TTFT p50 vs fcfs", change("short", "p50"), "<= -60%", lambda x: x <= -0.6),
+                  ("short TTFT p99 vs fcfs", change("short", "p99"), "<= -80%", lambda x: x <= -0.8),
+                  ("long TTFT p50 vs fcfs", change("long", "p50"), "<= +10%", lambda x: x <= 0.1),
+                  ("SLO violations vs fcfs", (v_pla - v_fcfs) / v_fcfs if v_fcfs else None, "<= -70%",
+                   lambda x: x <= -0.7)]
+        for name, x, target, ok in checks:
+            out.append(f"| pla {name} | {'-' if x is None else f'{x * 100:+.0f}%'} | {target} | "
+                       f"{'-' if x is None else ('met' if ok(x) else 'MISSED')} |")
+    if "pla" in results and "spf" in results:
+        for cls, q, target in (("short", "p99", 1.2), ("long", "p99", 1.0)):
+            a, b = get("pla", cls, "ttft_ms", q), get("spf", cls, "ttft_ms", q)
+            x = None if a is None or b is None else a / b
+            out.append(f"| pla {cls} TTFT {q} / spf | {'-' if x is None else f'{x:.2f}x'} | <= {target}x | "
+                       f"{'-' if x is None else ('met' if x <= target else 'MISSED')} |")
+    return ["| check | measured | target | |", "|---|---|---|---|", *out] if out else []
+
+
+def starvation_run(loaded, config: EngineConfig, cost: CostModel, seconds: float) -> str:
+    """A steady stream of shorts keeps spf's step budget full; one long prompt arrives once the backlog
+    exists. Reports whether (and when) each policy started and finished the long prompt."""
+    short_len, long_len = 200, 2048
+    # Shorts at 1.3x what fcfs-style batching can absorb (predicted), for `seconds`.
+    per_short = cost.prefill_time(short_len) - cost.c0
+    rate = 1.3 / per_short
+    stream = [TraceRequest(i / rate, short_len, 1) for i in range(int(seconds * rate))]
+    long_at = seconds * 0.25
+    arrivals = sorted(stream + [TraceRequest(long_at, long_len, 1)], key=lambda r: r.arrival)
+    k = config.scheduler.max_consecutive_short
+    chunks = -(-long_len // config.scheduler.long_chunk_size)
+    lines = [f"Starvation check: {len(stream)} shorts of {short_len} tokens at {rate:.0f}/s for {seconds:.0f} s "
+             f"(1.3x the predicted short capacity); one {long_len}-token prompt at t={long_at:.1f} s.",
+             f"pla's bound: {chunks} chunks x (K={k} short batches + 1 chunk) = {chunks * (k + 1)} prefill steps.", "",
+             "| policy | long prompt started | long TTFT | prefill steps before its first token |", "|---|---|---|---|"]
+    for pol in ("spf", "pla"):
+        run = run_policy(loaded, with_policy(config, pol), cost, arrivals, deadline_s=seconds)
+        (long,) = [r for r in run.requests if r.num_prompt_tokens == long_len]
+        m = long.metrics
+        started = "no" if m.first_scheduled_time is None else f"at {m.first_scheduled_time:.1f} s"
+        ttft = "never (run ended)" if m.first_token_time is None else f"{m.first_token_time - m.arrival_time:.1f} s"
+        steps = "-"
+        if m.first_token_time is not None:
+            steps = str(_prefill_steps_between(run, m.arrival_time, m.first_token_time))
+        lines.append(f"| {pol} | {started} | {ttft} | {steps} |")
+    return "\n".join(lines)
+
+
+def _prefill_steps_between(run: PolicyRun, t0: float, t1: float) -> int:
+    """Distinct prefill steps (by their end time) that finished in ``(t0, t1]`` across all requests."""
+    ends = {round(e, 6) for r in run.requests for _, e, _ in r.metrics.prefill_chunks if t0 < e <= t1}
+    return len(ends)
+
+
+def plot_cdfs(all_records: dict[str, list[RequestRecord]], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, cls in zip(axes, ("short", "long")):
+        for pol, recs in all_records.items():
+            v = np.sort([r.ttft * 1000 for r in recs if r.length_class == cls and r.ttft is not None])
+            if len(v):
+                ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=pol)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (ms, log)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{cls} prompts")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="one short slice (~2 min): the demo")
+    p.add_argument("--length-scale", type=float, default=0.25)
+    p.add_argument("--load", type=float, default=0.6, help="predicted prefill work / wall time")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
+    p.add_argument("--starvation-seconds", type=float, default=30.0)
+    args = p.parse_args(argv)
+    logging.getLogger("plaserve").setLevel(logging.ERROR)
+
+    device = resolve_device("auto")
+    dtype = resolve_dtype("auto", device)
+    loaded = load_model(None, dtype, device)
+    print("model: embedded default (RANDOM WEIGHTS), float32 on", device)
+    slo = SloRule(factor=5.0, floor=0.5)
+    sched = SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor)
+    config = EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, scheduler=sched)
+    print("fitting the prefill cost model on this machine ...", flush=True)
+    cost = fit_cost_model(LLMEngine(with_policy(config, "fcfs"), loaded=loaded),
+                          lengths=(32, 128, 512, 1024, 2048), repeats=2)
+    print(f"  c0={cost.c0 * 1e3:.2f} ms  g1={cost.g1 * 1e6:.1f} us/token  g2={cost.g2 * 1e9:.2f} ns/pair "
+          f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)")
+    slices = [Slice("code", "azure_code_2023.csv", 0, 150 if args.quick else 500),
+              Slice("conv", "azure_conv_2023.csv", 0, 0 if args.quick else 600)]
+    policies = args.policies.split(",")
+    out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
+    for s in slices:
+        if s.count == 0:
+            continue
+        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, args.load, max_prompt=4000, max_output=64)
+        n_long = sum(a.prompt_tokens >= sched.short_threshold for a in arrivals)
+        print(f"\n== {s.file} rows {s.start}..{s.start + s.count}: lengths x{args.length_scale}, outputs capped "
+              f"at 64, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "
+              f"{arrivals[-1].arrival:.0f} s); {n_long} long of {len(arrivals)}", flush=True)
+        results, records = {}, {}
+        for pol in policies:
+            run = run_policy(loaded, with_policy(config, pol), cost, arrivals)
+            summary, recs = summarize_run(run, slo, cost)
+            results[pol] = {"summary": summary, "utilization": run.utilization, "wall_s": run.wall_s}
+            records[pol] = recs
+            print(f"-- {pol}: {run.wall_s:.0f} s wall, engine busy {run.utilization * 100:.0f}%")
+            print(format_table(summary), flush=True)
+        table = comparison_table(results)
+        print("\n" + table + "\n")
+        print("\n".join(ratio_lines(results)))
+        out["traces"][s.name] = {"time_scale": time_scale, "length_scale": args.length_scale, "results": results,
+                                 "table": table, "checks": ratio_lines(results)}
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            plot_cdfs(records, f"TTFT CDF, {s.file} slice (default model, CPU)",
+                      os.path.join(args.out, f"policies_ttft_cdf_{s.name}.png"))
+    if not args.quick and args.starvation_seconds > 0:
+        text = starvation_run(loaded, config, cost, args.starvation_seconds)
+        print("\n" + text)
+        out["starvation"] = text
+    if args.out:
+        with open(os.path.join(args.out, "policies.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return 0

@@ -1,0 +1,95 @@
+"""Run ``plaserve serve`` as a child process: start it, wait until it is healthy, stop it.
+
+For tests and benchmark scripts that need a real server on a real port (e.g. one per policy, to compare
+them with ``plaserve bench``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+import plaserve
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m plaserve.cli serve ARGS --port PORT`` in a child process (use as a context manager).
+
+    The child's output goes to a temporary log file (a pipe nobody reads could fill and block it);
+    :meth:`log` returns it, and a failed start raises with its tail.
+    """
+
+    def __init__(self, args: list[str], *, host: str = "127.0.0.1", port: int | None = None,
+                 env: dict[str, str] | None = None, startup_timeout: float = 120.0) -> None:
+        self.args = list(args)
+        self.host = host
+        self.port = port or free_port()
+        self.env = env
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix="plaserve-serve-", suffix=".log", delete=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "ServerProcess":
+        """Launch the server and block until ``/health`` answers 200."""
+        env = dict(os.environ if self.env is None else self.env)
+        # The child must import this same plaserve, installed or not.
+        src = str(Path(plaserve.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+        cmd = [sys.executable, "-m", "plaserve.cli", "serve", *self.args, "--host", self.host, "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"plaserve serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"plaserve serve did not become healthy in {self.startup_timeout:.0f} s:\n"
+                           f"{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after ``timeout``) and remove its log."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if os.path.exists(self._log.name):
+            os.unlink(self._log.name)
+
+    def log(self) -> str:
+        """What the server printed so far."""
+        self._log.flush()
+        with open(self._log.name, errors="replace") as f:
+            return f.read()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,28 @@
+"""A live ``plaserve serve`` process per test module, on the tiny Qwen2 checkpoint.
+
+A module sets ``SERVER_ARGS`` (extra flags) to configure its server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from plaserve.server.launcher import ServerProcess
+
+BASE_ARGS = ["--kv-cache-memory", "64MiB"]
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, qwen2_ckpt: str) -> Iterator[ServerProcess]:
+    extra = list(getattr(request.module, "SERVER_ARGS", []))
+    with ServerProcess([qwen2_ckpt, *BASE_ARGS, *extra]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    """The official OpenAI client pointed at the server (no retries: each status must show as it is)."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible API of a live server, through the official ``openai`` client.
+
+Greedy outputs are checked against the offline engine on the same checkpoint, so the server must pass
+prompts, chat templates and sampling settings through unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from plaserve import LLM, SamplingParams
+
+PROMPT = "Hello world! How are you today?"
+
+
+@pytest.fixture(scope="module")
+def offline(qwen2_ckpt: str) -> LLM:
+    return LLM(qwen2_ckpt, kv_cache_memory="64MiB")
+
+
+def _offline_text(offline: LLM, prompt: str | list[int], max_tokens: int, **kw: object) -> tuple[str, str, list[int]]:
+    out = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
+    return out.text, out.outputs[0].finish_reason, out.prompt_token_ids
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, qwen2_ckpt: str) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [os.path.basename(qwen2_ckpt)]
+
+
+def test_completion_matches_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
+    model = client.models.list().data[0].id
+    text, reason, prompt_ids = _offline_text(offline, PROMPT, 12, ignore_eos=True)
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.text == text and choice.finish_reason == reason == "length"
+    assert resp.model == model
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == len(prompt_ids) + 12
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_prompt_cache_hits_are_reported_as_cached_tokens(client: openai.OpenAI) -> None:
+    prompt = list(range(10, 10 + 40))  # 2 full blocks of 16 the second time
+    first = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1)
+    again = client.completions.create(model=first.model, prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
+
+
+def test_batch_of_token_id_prompts(client: openai.OpenAI, offline: LLM) -> None:
+    prompts = [[5, 6, 7, 8, 9], [100, 101, 102]]
+    resp = client.completions.create(model=client.models.list().data[0].id, prompt=prompts, max_tokens=5,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1]
+    for prompt, choice in zip(prompts, resp.choices):
+        assert choice.text == _offline_text(offline, prompt, 5, ignore_eos=True)[0]
+    assert resp.usage.prompt_tokens == 8 and resp.usage.completion_tokens == 10
+
+
+def test_chat_applies_the_template(client: openai.OpenAI, offline: LLM, server) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    expected = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    resp = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=10,
+                                          temperature=0.0, extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": messages}).json()
+    assert tokenized["tokens"] == expected.prompt_token_ids
+
+
+def test_streaming_completion_equals_the_whole_response(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    kw = dict(model=model, prompt=PROMPT, max_tokens=20, temperature=0.0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streaming_chat_equals_the_whole_response(client: openai.OpenAI) -> None:
+    kw = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}],
+              max_tokens=15, temperature=0.0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stream_ends_with_done(server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in resp.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
+
+
+def _stop_across_tokens(offline: LLM, prompt: str, max_tokens: int) -> str:
+    """A stop string whose first occurrence in the greedy output starts in one token and ends in the next,
+    so a server that streamed text before the stop string was complete would send too much."""
+    out = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+    pieces = [offline.get_tokenizer().decode([t]) for t in out.token_ids]
+    assert "".join(pieces) == out.text
+    offset = 0
+    for prev, piece in zip(pieces, pieces[1:]):
+        offset += len(prev)
+        if prev and len(piece) >= 2:
+            stop = prev[-1] + piece[:2]
+            if out.text.find(stop) == offset - 1:
+                return stop
+    raise AssertionError(f"no stop string spans a token boundary in {out.text!r}")
+
+
+def test_stop_strings_cut_the_text_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
+    model = client.models.list().data[0].id
+    base = dict(model=model, prompt=PROMPT, temperature=0.0, extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=30, **base).choices[0].text
+    stop = _stop_across_tokens(offline, PROMPT, 30)
+    expected = full[: full.find(stop)]
+    resp = client.completions.create(max_tokens=30, stop=[stop, "never-appears"], **base)
+    assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(max_tokens=30, stop=stop, stream=True, **base)
+    # Held-back tails must never be sent and then cut: the joined stream equals the cut text.
+    assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    kw = dict(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9,
+              seed=1234, extra_body={"top_k": 50, "ignore_eos": True})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_tokenize_counts_like_usage(client: openai.OpenAI, server) -> None:
+    resp = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    usage = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=1).usage
+    assert resp["count"] == len(resp["tokens"]) == usage.prompt_tokens
+    assert resp["max_model_len"] == 2048
+
+
+def test_metrics_parse_and_count_requests(client: openai.OpenAI, server) -> None:
+    client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=4)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+    for name in ("plaserve_requests", "plaserve_time_to_first_token_seconds", "plaserve_time_between_tokens_seconds",
+                 "plaserve_e2e_request_latency_seconds", "plaserve_queued_requests", "plaserve_running_requests",
+                 "plaserve_kv_blocks_used", "plaserve_kv_blocks_free", "plaserve_prefix_cache_hit_tokens",
+                 "plaserve_grid_hits", "plaserve_grid_fallbacks", "plaserve_backlog_seconds"):
+        assert name in families, name
+    finished = sum(s.value for s in families["plaserve_requests"].samples if s.name == "plaserve_requests_total")
+    assert finished >= 1
+    ttft_counts = {s.labels["length_class"]: s.value for s in families["plaserve_time_to_first_token_seconds"].samples
+                   if s.name.endswith("_count")}
+    assert set(ttft_counts) == {"short", "long"} and ttft_counts["short"] >= 1
+    free = families["plaserve_kv_blocks_free"].samples[0].value
+    used = families["plaserve_kv_blocks_used"].samples[0].value
+    # 64 MiB / (K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes x 16 tokens a block)
+    assert free > 0 and used + free == 64 * 2**20 // (2 * 2 * 2 * 16 * 4 * 16)
+
+
+def test_load_report(server) -> None:
+    load = httpx.get(f"{server.url}/load").json()
+    assert set(load["backlog_s"]) == {"short", "long"}
+    assert set(load["queued"]) == set(load["running"]) == {"short", "long"}
+    assert {"used_blocks", "free_blocks", "utilization"} <= set(load["kv"])
+    assert {"g1", "g2", "c0"} <= set(load["cost_model"])
+    assert load["short_threshold"] == 512 and isinstance(load["policy"], str)
+
+
+def test_sglang_router_endpoints(server, qwen2_ckpt: str) -> None:
+    load = httpx.get(f"{server.url}/get_load").json()
+    assert isinstance(load, list) and len(load) == 1
+    assert isinstance(load[0]["num_tokens"], int) and load[0]["num_tokens"] >= 0
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(f"{server.url}{path}").json()
+        assert info["model_path"] == qwen2_ckpt and info["dp_size"] == 1
+    for path in ("/model_info", "/get_model_info"):
+        info = httpx.get(f"{server.url}{path}").json()
+        assert info["model_path"] == qwen2_ckpt and info["is_generation"] is True
+
+
+def _load(server) -> dict:
+    return httpx.get(f"{server.url}/load").json()
+
+
+def _aborted(server) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "plaserve_requests"
+               for s in f.samples if s.name == "plaserve_requests_total" and s.labels["finish_reason"] == "abort")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
+    aborted_before = _aborted(server)
+    body = {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")
+            assert _load(server)["kv"]["used_blocks"] > 0  # the request holds blocks while it streams
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        load = _load(server)
+        if load["kv"]["used_blocks"] == 0 and load["num_requests"] == 0:
+            break
+        time.sleep(0.05)
+    assert load["kv"]["used_blocks"] == 0 and load["num_requests"] == 0
+    assert _aborted(server) == aborted_before + 1  # aborted, not run to its 1900 tokens
+    resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+    assert resp.status_code == 200  # and the server goes on serving
+
+
+def test_disconnect_while_waiting_for_a_whole_response_aborts(server) -> None:
+    aborted_before = _aborted(server)
+    body = {"prompt": PROMPT, "max_tokens": 1900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    deadline = time.monotonic() + 20
+    while _aborted(server) == aborted_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted(server) == aborted_before + 1
+    while _load(server)["kv"]["used_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _load(server)["kv"]["used_blocks"] == 0

@@ -1,0 +1,109 @@
+"""Bad input gets an OpenAI-style error with the right status, and never disturbs other requests."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+MAX_MODEL_LEN = 2048  # the tiny checkpoint's max_position_embeddings
+VOCAB = 512
+
+# (name, path, body or raw bytes, expected status)
+CASES = [
+    ("malformed json", "/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400),
+    ("body is not an object", "/v1/completions", b'["hi"]', 400),
+    ("missing prompt", "/v1/completions", {"max_tokens": 4}, 422),
+    ("prompt wrong type", "/v1/completions", {"prompt": 42}, 422),
+    ("prompt mixed list", "/v1/completions", {"prompt": ["a", 1]}, 422),
+    ("max_tokens wrong type", "/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 422),
+    ("max_tokens boolean", "/v1/completions", {"prompt": "hi", "max_tokens": True}, 422),
+    ("temperature wrong type", "/v1/completions", {"prompt": "hi", "temperature": "hot"}, 422),
+    ("stop wrong type", "/v1/completions", {"prompt": "hi", "stop": 3}, 422),
+    ("max_tokens zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("max_tokens negative", "/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400),
+    ("negative temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400),
+    ("top_p zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400),
+    ("empty stop string", "/v1/completions", {"prompt": "hi", "stop": [""]}, 400),
+    ("token id too large", "/v1/completions", {"prompt": [1, 2, VOCAB]}, 400),
+    ("negative token id", "/v1/completions", {"prompt": [1, -1, 2]}, 400),
+    ("prompt longer than the model", "/v1/completions", {"prompt": [7] * MAX_MODEL_LEN}, 413),
+    ("prompt plus max_tokens too long", "/v1/completions", {"prompt": [7] * 2000, "max_tokens": 100}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-7", "prompt": "hi"}, 404),
+    ("n = 2", "/v1/completions", {"prompt": "hi", "n": 2}, 400),
+    ("logprobs", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400),
+    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {}}, 400),
+    ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 422),
+    ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 422),
+    ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 422),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
+    ("role the template rejects", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400),
+    ("chat unknown model", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}]},
+     404),
+    ("chat n = 3", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 3000}]}, 413),
+    ("tokenize neither field", "/tokenize", {}, 422),
+    ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_gets_an_openai_error(server, name: str, path: str, body: object, status: int) -> None:
+    if isinstance(body, bytes):
+        resp = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
+    else:
+        resp = httpx.post(f"{server.url}{path}", json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+
+
+def test_wrong_method_is_an_error(server) -> None:
+    resp = httpx.get(f"{server.url}/v1/completions")
+    assert resp.status_code == 405 and "error" in resp.json()
+
+
+def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi")
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.completions.create(model=model, prompt="hi", extra_body={"top_k": "many"})
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=model, prompt=[3] * MAX_MODEL_LEN)
+    assert info.value.status_code == 413
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server, client: openai.OpenAI) -> None:
+    """A long streaming request runs while every bad request above arrives; it completes intact."""
+    model = client.models.list().data[0].id
+    result: dict[str, object] = {}
+
+    def stream() -> None:
+        chunks = client.completions.create(model=model, prompt="Once upon a time", max_tokens=400, temperature=0.0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        parts = [(c.choices[0].text if c.choices else "", c.usage) for c in chunks]
+        result["text"] = "".join(p for p, _ in parts)
+        result["usage"] = parts[-1][1]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    for _, path, body, status in CASES:
+        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}
+        assert httpx.post(f"{server.url}{path}", **kw).status_code == status
+    thread.join(60)
+    assert not thread.is_alive()
+    assert result["usage"].completion_tokens == 400
+    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=400, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert result["text"] == whole.choices[0].text
+    assert httpx.get(f"{server.url}/health").status_code == 200
