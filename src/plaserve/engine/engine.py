@@ -224,6 +224,7 @@ class LLMEngine:
         req.token_ids.append(token)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
+        req.metrics.token_times.append(now)
         checked = len(req.output_text)
         if req.detokenizer is not None:
             req.output_text += req.detokenizer.add(token)

@@ -59,6 +59,7 @@ class RequestMetrics:
     ready_time: float | None = None  # pla: when its short batch's window closed
     prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
     first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was produced
     finish_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0

@@ -219,14 +219,13 @@ class EngineLoop:
         self.metrics.observe_finish(cls, "abort", None, req.num_prompt_tokens, len(req.output_token_ids))
 
     def _step(self) -> None:
-        steps_before = self.engine.stats.get("num_steps", 0)
         outputs = self.engine.step()
         now = self.clock()
         for out in outputs:
             self._deliver(out, now)
         with self._cond:
             self._num_waiting = len(self.engine.scheduler.waiting)
-            if self.engine.stats.get("num_steps", 0) == steps_before and not self._inbox and not self._stopping:
+            if self.engine.last_batch is None and not self._inbox and not self._stopping:
                 # The policy ran nothing although work is queued (it holds short requests for a batch
                 # window): sleep until it will have work instead of spinning; a new command wakes us early.
                 wake = self.engine.next_wakeup()

@@ -1,0 +1,32 @@
+"""Compare the step policies (pla, fcfs, spf) on one instance, replaying real trace slices.
+
+    .venv/bin/python benchmarks/policies.py                # full run (~15 min), tables + plots
+    .venv/bin/python benchmarks/policies.py --quick        # ~2 min (what `plaserve demo` runs)
+
+Setup, fixed before looking at results:
+* the embedded default model (random weights, float32, CPU), one engine per policy, same settings;
+* lengths of the Azure traces scaled by --length-scale (prompts capped to the model length);
+  arrivals compressed so the predicted prefill work fills --load of the wall time (the decode work
+  comes on top: the measured fcfs utilization is printed);
+* TTFT SLO of each request = max(floor, 5 x its predicted isolated prefill time), the cost model being
+  fitted on this machine at the start of the run;
+* short = fewer than 512 uncached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from plaserve.bench.policies import main  # noqa: E402
+
+if __name__ == "__main__":
+    t0 = time.time()
+    code = main(sys.argv[1:])
+    print(f"\n(total {time.time() - t0:.0f} s)")
+    sys.exit(code)
