@@ -34,6 +34,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
+    p.add_argument("--skip-comparison", action="store_true",
+                   help="skip the ~2 minute policy comparison on a slice of the Azure code trace")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -56,4 +58,10 @@ def run_demo(args: argparse.Namespace) -> int:
     again = llm.generate(prompts[2:], params)[0]
     print(f"the long prompt again: {again.num_cached_tokens} of {len(again.prompt_token_ids)} tokens from the "
           f"prefix cache, TTFT {again.metrics.ttft * 1000:.0f} ms (first time {outs[2].metrics.ttft * 1000:.0f} ms)")
-    return 0
+    if args.skip_comparison or args.model is not None:
+        return 0
+    del llm  # free its KV cache before the comparison builds its own engines
+    print("\n=== Scheduling policies on a real trace slice (pla = ours, fcfs = vLLM default, spf = shortest first)")
+    from plaserve.bench.policies import main as compare
+
+    return compare(["--quick"])

@@ -47,12 +47,16 @@ class Slice:
 
 
 def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, max_prompt: int,
-                 max_output: int) -> tuple[list[TraceRequest], float]:
-    """Load the slice with lengths scaled, then pick the time scale at which predicted prefill work
-    fills ``load`` of the slice's duration. Returns the requests and the time scale used."""
+                 max_output: int, seconds: float) -> tuple[list[TraceRequest], float]:
+    """The first rows of the slice whose predicted prefill work fills ``load`` of ``seconds``, lengths
+    scaled, arrivals rescaled so the run lasts ``seconds``. Returns the requests and the time scale."""
     reqs = load_trace(find_trace(s.file), start=s.start, limit=s.count, length_scale=length_scale,
                       max_prompt_tokens=max_prompt, max_output_tokens=max_output)
-    work = sum(cost.prefill_time(r.prompt_tokens) for r in reqs)
+    work, n = 0.0, 0
+    while n < len(reqs) and work < load * seconds:
+        work += cost.prefill_time(reqs[n].prompt_tokens)
+        n += 1
+    reqs = reqs[:n]
     span = reqs[-1].arrival or 1.0
     time_scale = work / load / span
     return [TraceRequest(r.arrival * time_scale, r.prompt_tokens, r.output_tokens) for r in reqs], time_scale
@@ -175,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.6, help="predicted prefill work / wall time")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
+    p.add_argument("--seconds", type=float, default=None, help="length of each policy run (default 120, quick 35)")
     p.add_argument("--starvation-seconds", type=float, default=30.0)
     args = p.parse_args(argv)
     logging.getLogger("plaserve").setLevel(logging.ERROR)
@@ -191,16 +196,16 @@ def main(argv: list[str] | None = None) -> int:
                           lengths=(32, 128, 512, 1024, 2048), repeats=2)
     print(f"  c0={cost.c0 * 1e3:.2f} ms  g1={cost.g1 * 1e6:.1f} us/token  g2={cost.g2 * 1e9:.2f} ns/pair "
           f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)")
-    slices = [Slice("code", "azure_code_2023.csv", 0, 150 if args.quick else 500),
-              Slice("conv", "azure_conv_2023.csv", 0, 0 if args.quick else 600)]
+    seconds = args.seconds or (35.0 if args.quick else 120.0)
+    slices = [Slice("code", "azure_code_2023.csv", 0, 2000)] + ([] if args.quick else
+                                                              [Slice("conv", "azure_conv_2023.csv", 0, 4000)])
     policies = args.policies.split(",")
     out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
     for s in slices:
-        if s.count == 0:
-            continue
-        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, args.load, max_prompt=4000, max_output=64)
+        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, args.load, max_prompt=4000, max_output=64,
+                                            seconds=seconds)
         n_long = sum(a.prompt_tokens >= sched.short_threshold for a in arrivals)
-        print(f"\n== {s.file} rows {s.start}..{s.start + s.count}: lengths x{args.length_scale}, outputs capped "
+        print(f"\n== {s.file} rows {s.start}..{s.start + len(arrivals)}: lengths x{args.length_scale}, outputs capped "
               f"at 64, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "
               f"{arrivals[-1].arrival:.0f} s); {n_long} long of {len(arrivals)}", flush=True)
         results, records = {}, {}
