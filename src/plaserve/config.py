@@ -44,6 +44,8 @@ class EngineConfig:
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
     use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
+    profile: str | None = None  # calibrated profile (plaserve calibrate): cost model + scheduler settings
+    online_refit: bool = True  # refit the cost model on the engine's own prefill timings
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

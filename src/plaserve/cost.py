@@ -69,3 +69,106 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 102
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:
             return 2 * size**3 * n / elapsed
+
+
+# --- fitting ---------------------------------------------------------------------------------------
+
+Sample = tuple[float, float, float]  # (n new tokens, h cached tokens, measured seconds) of one prefill
+TERMS = ("c0", "g1", "g2", "g3")
+
+
+def _features(n: float, h: float) -> list[float]:
+    """The cost model's terms for one prefill, in ``TERMS`` order."""
+    return [1.0, n, n * (h + n / 2), h]
+
+
+def _nnls_relative(x: "np.ndarray", y: "np.ndarray") -> "np.ndarray | None":
+    """Non-negative least squares minimising *relative* error (rows weighted by ``1/y``), so a 20 ms
+    prefill counts as much as a 5 s one. With four unknowns at most, exact NNLS is cheap: solve ordinary
+    least squares on every subset of the columns and keep the best all-non-negative solution."""
+    import itertools
+
+    import numpy as np
+
+    w = 1.0 / np.maximum(y, 1e-9)
+    xw, yw = x * w[:, None], y * w
+    best, best_err = None, float("inf")
+    cols = x.shape[1]
+    for k in range(1, cols + 1):
+        for subset in itertools.combinations(range(cols), k):
+            coef, *_ = np.linalg.lstsq(xw[:, subset], yw, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(((xw[:, subset] @ coef - yw) ** 2).sum())
+            if err < best_err:
+                best_err, best = err, np.zeros(cols)
+                best[list(subset)] = coef
+    return best
+
+
+def _model(coef: "np.ndarray", terms: tuple[str, ...], source: str) -> CostModel:
+    values = dict.fromkeys(TERMS, 0.0) | {t: float(c) for t, c in zip(terms, coef)}
+    return CostModel(g1=values["g1"], g2=values["g2"], g3=values["g3"], c0=values["c0"], source=source)
+
+
+def fit(samples: list[Sample], terms: tuple[str, ...] = TERMS, source: str = "profile") -> CostModel:
+    """Non-negative least-squares fit of the terms ``terms`` to ``(n, h, seconds)`` samples."""
+    import numpy as np
+
+    if not samples:
+        raise ValueError("no samples to fit")
+    cols = [TERMS.index(t) for t in terms]
+    x = np.array([[_features(n, h)[c] for c in cols] for n, h, _ in samples])
+    coef = _nnls_relative(x, np.array([t for _, _, t in samples]))
+    if coef is None:
+        raise ValueError("no non-negative fit exists for these samples")
+    return _model(coef, terms, source)
+
+
+def fit_quality(model: CostModel, samples: list[Sample]) -> dict[str, float]:
+    """Mean absolute percentage error and R^2 of ``model`` on ``samples``."""
+    import numpy as np
+
+    y = np.array([t for _, _, t in samples])
+    p = np.array([model.prefill_time(int(n), int(h)) for n, h, _ in samples])
+    ss_res, ss_tot = float(((y - p) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
+    return {"mape": float(np.mean(np.abs(p - y) / y)), "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+            "n": len(samples)}
+
+
+class OnlineCostModel:
+    """Refits the cost model on the engine's own recent prefills (a sliding window).
+
+    One observation is one engine step that prefilled ``(n, h)`` for each of its requests in some
+    seconds; its features are the per-request terms summed (the step pays ``c0`` once). Every
+    ``refit_every`` observations the model is refitted on the last ``window``; until enough exist, or
+    when a fit is degenerate (e.g. every step the same size), the current model stays.
+    """
+
+    def __init__(self, initial: CostModel, window: int = 256, refit_every: int = 32, min_samples: int = 24) -> None:
+        self.model = initial
+        self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
+        self.rows: list[tuple[list[float], float]] = []
+        self.since_refit = 0
+        self.num_refits = 0
+
+    def observe(self, work: list[tuple[int, int]], seconds: float) -> None:
+        """Record one step that computed ``(n, h)`` for each prefilled request in ``seconds``."""
+        if not work or seconds <= 0:
+            return
+        feats = [1.0] + [sum(_features(n, h)[i] for n, h in work) for i in range(1, len(TERMS))]
+        self.rows.append((feats, seconds))
+        del self.rows[: -self.window]
+        self.since_refit += 1
+        if self.since_refit >= self.refit_every and len(self.rows) >= self.min_samples:
+            self.refit()
+
+    def refit(self) -> None:
+        import numpy as np
+
+        self.since_refit = 0
+        coef = _nnls_relative(np.array([f for f, _ in self.rows]), np.array([t for _, t in self.rows]))
+        if coef is None or coef[1] <= 0:
+            return
+        self.model = _model(coef, TERMS, "online")
+        self.num_refits += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Protocol
@@ -9,7 +10,8 @@ from typing import Callable, Protocol
 import torch
 
 from plaserve.config import EngineConfig
-from plaserve.cost import CostModel, measure_peak_flops
+from plaserve.cost import CostModel, OnlineCostModel, measure_peak_flops
+from plaserve.profile import Profile, fingerprint
 from plaserve.engine.kv_cache import BlockAllocator, allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
@@ -22,6 +24,12 @@ from plaserve.scheduler.policy import POLICIES, PlaScheduler
 
 log = logging.getLogger(__name__)
 
+
+
+def batch_work(batch: ScheduledBatch) -> list[tuple[int, int]]:
+    """``(n, h)`` of each item as the cost model sees it (padded rows cost their bucket)."""
+    return [(batch.bucket if batch.bucket is not None and it.num_tokens > 1 else it.num_tokens,
+             it.request.num_computed_tokens) for it in batch.items]
 
 
 class BatchRunner(Protocol):
@@ -61,7 +69,15 @@ class LLMEngine:
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         num_blocks = self._num_kv_blocks()
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.profile = None
+        if config.profile is not None:
+            self.profile = Profile.load(config.profile)
+            self.profile.check(fingerprint(self.model_config, self.dtype, self.device))
+            config = self.config = dataclasses.replace(
+                config, scheduler=dataclasses.replace(config.scheduler, **self.profile.scheduler_overrides()))
+            cost = cost or self.profile.cost_model
         self.cost = cost or CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
+        self.online = OnlineCostModel(self.cost) if config.online_refit else None
         sched = config.scheduler
         if sched.policy not in POLICIES:
             raise ValueError(f"unknown policy {sched.policy!r}; choose one of {', '.join(POLICIES)}")
@@ -200,9 +216,15 @@ class LLMEngine:
             self.last_batch = None
             return []
         self.last_batch = batch
+        work = batch_work(batch)  # before on_batch_done advances the computed counts
         sampled = self.runner.execute(batch)
         end = self.clock()
         self.scheduler.on_batch_done(batch, start, end)
+        if self.online is not None and batch.kind != "decode" and all(n > 1 for n, _ in work):
+            # Prefill-only steps: decode steps follow other costs (memory traffic, per-step overhead).
+            self.online.observe(work, end - start)
+            if self.online.model is not self.cost:
+                self.cost = self.scheduler.cost = self.online.model
         self.num_steps += 1
         self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)

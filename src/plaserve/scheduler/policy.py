@@ -88,7 +88,11 @@ class PlaScheduler(Scheduler):
         self.consecutive_short = 0  # short batches since the last long chunk
         self.prefill_steps_since_decode = 0
         self.last_short_dispatch = float("-inf")
-        self.long_chunk_time = self.cost.prefill_time(c.long_chunk_size)  # slack margin: one chunk
+
+    @property
+    def long_chunk_time(self) -> float:
+        """Predicted time of one long chunk: the slack margin a short batch keeps."""
+        return self.cost.prefill_time(self.config.long_chunk_size)
 
     # --- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -38,12 +38,9 @@ class CostRunner:
         self.batches: list[tuple[float, float, ScheduledBatch]] = []  # (start, end, batch) log
 
     def batch_time(self, batch: ScheduledBatch) -> float:
-        work = []
-        for item in batch.items:
-            h = item.request.num_computed_tokens
-            n = batch.bucket if batch.bucket is not None and item.num_tokens > 1 else item.num_tokens
-            work.append((n, h))
-        return self.cost.batch_time(work)
+        from plaserve.engine.engine import batch_work
+
+        return self.cost.batch_time(batch_work(batch))
 
     def execute(self, batch: ScheduledBatch) -> dict[int, int]:
         start = self.clock.now

@@ -1,0 +1,61 @@
+"""Cost model: FLOP-based coefficients, NNLS fitting, fit quality, online refit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plaserve.cost import CostModel, OnlineCostModel, fit, fit_quality
+from plaserve.model.default import DEFAULT_CONFIG
+
+
+def noisy_samples(true: CostModel, n: int, noise: float, seed: int = 0) -> list[tuple[int, int, float]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        new = rng.choice([16, 64, 256, 1024, 2048, 4096, 8192])
+        hist = rng.choice([0, 0, 512, 2048, 8192])
+        out.append((new, hist, true.prefill_time(new, hist) * (1 + rng.uniform(-noise, noise))))
+    return out
+
+
+def test_fit_recovers_known_coefficients_from_noisy_data():
+    true = CostModel(g1=2e-4, g2=1e-7, g3=5e-6, c0=3e-3)
+    model = fit(noisy_samples(true, 200, noise=0.05))
+    assert model.g1 == pytest.approx(true.g1, rel=0.1)
+    assert model.g2 == pytest.approx(true.g2, rel=0.1)
+    assert model.c0 == pytest.approx(true.c0, rel=0.3)
+    assert model.g3 == pytest.approx(true.g3, rel=0.5)
+    q = fit_quality(model, noisy_samples(true, 100, noise=0.05, seed=1))
+    assert q["mape"] < 0.05 and q["r2"] > 0.99
+
+
+def test_fit_never_returns_negative_coefficients():
+    # Pure linear data with noise: an unconstrained fit would put a small negative on some term.
+    samples = [(n, 0, 1e-3 * n * (1.02 if i % 2 else 0.98)) for i, n in enumerate([16, 32, 64, 128, 256, 512] * 3)]
+    model = fit(samples)
+    assert min(model.g1, model.g2, model.g3, model.c0) >= 0
+    assert model.g1 == pytest.approx(1e-3, rel=0.05)
+
+
+def test_flop_model_has_linear_and_quadratic_terms():
+    m = CostModel.from_flops(DEFAULT_CONFIG, peak_flops=1e11)
+    assert m.g1 > 0 and m.g2 > 0
+    # Doubling a long prompt more than doubles its cost.
+    assert m.prefill_time(8192) > 2.2 * m.prefill_time(4096)
+    # A cached history makes new tokens dearer.
+    assert m.prefill_time(100, 4000) > m.prefill_time(100, 0)
+
+
+def test_online_refit_converges_when_the_true_cost_changes():
+    before, after = CostModel(g1=1e-4, g2=5e-8, c0=2e-3), CostModel(g1=3e-4, g2=1e-7, c0=2e-3)
+    online = OnlineCostModel(before, window=128, refit_every=16)
+    rng = random.Random(0)
+    for _ in range(200):  # the hardware got slower: observations now follow `after`
+        work = [(rng.choice([32, 128, 512, 2048]), rng.choice([0, 1024])) for _ in range(rng.randint(1, 3))]
+        t = after.batch_time(work) * (1 + rng.uniform(-0.03, 0.03))
+        online.observe(work, t)
+    assert online.num_refits > 0 and online.model.source == "online"
+    assert online.model.g1 == pytest.approx(after.g1, rel=0.1)
+    assert online.model.g2 == pytest.approx(after.g2, rel=0.15)
