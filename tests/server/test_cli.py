@@ -7,9 +7,10 @@ import pytest
 from plaserve.cli import main
 
 
-def test_profile_is_refused_clearly_until_the_engine_supports_it(capsys: pytest.CaptureFixture) -> None:
-    assert main(["serve", "--profile", "profile.json"]) == 2
-    assert "--profile is not supported yet" in capsys.readouterr().err
+def test_missing_profile_fails_clearly(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    missing = str(tmp_path / "nope.json")
+    assert main(["serve", "--profile", missing, "--kv-cache-memory", "64MiB"]) == 2
+    assert "nope.json" in capsys.readouterr().err
 
 
 def test_max_queue_must_be_positive(capsys: pytest.CaptureFixture) -> None:
