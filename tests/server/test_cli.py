@@ -9,7 +9,7 @@ from plaserve.cli import main
 
 def test_missing_profile_fails_clearly(tmp_path, capsys: pytest.CaptureFixture) -> None:
     missing = str(tmp_path / "nope.json")
-    assert main(["serve", "--profile", missing, "--kv-cache-memory", "64MiB"]) == 2
+    assert main(["serve", "--profile", missing, "--kv-cache-memory", "256MiB"]) == 2
     assert "nope.json" in capsys.readouterr().err
 
 

@@ -52,6 +52,11 @@ class LLMEngine:
                  clock: Callable[[], float] = time.monotonic) -> None:
         """Build the engine. With ``runner`` given, no model or KV tensors are created: the scheduler
         drives ``runner.execute`` (a test double or the simulator's cost-model runner) instead."""
+        # A profile is read first so that a bad path fails before the model loads.
+        self.profile = Profile.load(config.profile) if config.profile is not None else None
+        if self.profile is not None:
+            config = dataclasses.replace(
+                config, scheduler=dataclasses.replace(config.scheduler, **self.profile.scheduler_overrides()))
         self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
@@ -69,12 +74,8 @@ class LLMEngine:
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         num_blocks = self._num_kv_blocks()
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.profile = None
-        if config.profile is not None:
-            self.profile = Profile.load(config.profile)
+        if self.profile is not None:
             self.profile.check(fingerprint(self.model_config, self.dtype, self.device))
-            config = self.config = dataclasses.replace(
-                config, scheduler=dataclasses.replace(config.scheduler, **self.profile.scheduler_overrides()))
             cost = cost or self.profile.cost_model
         self.cost = cost or CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
         self.online = OnlineCostModel(self.cost) if config.online_refit else None
