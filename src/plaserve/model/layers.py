@@ -72,6 +72,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of ``linears`` along the output dimension and make each
+    layer's parameters views into the result. Call once the weights are final and on their device."""
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        has_bias = linears[0].bias is not None
+        bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = weight[start:start + rows]
+            if has_bias:
+                lin.bias.data = bias[start:start + rows]
+            start += rows
+    return weight, bias
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
@@ -81,10 +98,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+        self.gate_up: torch.Tensor | None = None  # fused [gate; up] weight, see fuse()
+
+    def fuse(self) -> None:
+        """Run gate and up as one matmul (one wide GEMM is faster than two narrow ones). The two
+        parameters become views of the fused weight, so nothing is stored twice."""
+        self.gate_up = _fuse_linears([self.gate_proj, self.up_proj])[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = nn.functional.linear(x, self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         # In place: these [tokens, intermediate] tensors are the largest activations of the model.
-        gate = nn.functional.silu(self.gate_proj(x), inplace=True)
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
 
 
 class Attention(nn.Module):
@@ -99,13 +126,23 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         self.scale = self.head_dim ** -0.5
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused weight and bias, see fuse()
+
+    def fuse(self) -> None:
+        """Run the q, k and v projections as one matmul; the parameters become views of it."""
+        self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = nn.functional.linear(x, *self.qkv).split([qd, kd, kd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         o = attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.view(t, -1))

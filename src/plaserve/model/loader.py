@@ -65,6 +65,7 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, seed:
         model = LlamaForCausalLM(cfg)
         init_random_weights(model, seed)
         model = _with_float32_rope(model.to(device=device, dtype=dtype), device).eval()
+        model.fuse_projections()
         return LoadedModel(model, cfg, load_tokenizer(None), DEFAULT_MODEL_NAME, None, True)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist (plaserve loads local checkpoints only)")
@@ -79,4 +80,5 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, seed:
     load_into(model, load_safetensors_state_dict(path, dtype), cfg.tie_word_embeddings)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse_projections()
     return LoadedModel(model.eval(), cfg, tokenizer, os.path.basename(os.path.normpath(path)), path, False)
