@@ -14,6 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("plaserve.demo", "generate completions for prompts given on the command line"),
     "serve": ("plaserve.server.cli", "serve a model behind an OpenAI-compatible HTTP API"),
     "bench": ("plaserve.bench.cli", "replay a trace against an OpenAI-compatible server"),
+    "route": ("plaserve.router.cli", "length-aware router in front of plaserve or any OpenAI-compatible workers"),
+    "cluster": ("plaserve.router.cluster", "start N workers and a router in front of them"),
     "calibrate": ("plaserve.calibrate", "measure the prefill cost model and choose scheduling settings"),
 }
 

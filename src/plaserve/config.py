@@ -23,6 +23,8 @@ class SchedulerConfig:
     w_max: float = 0.02
     max_consecutive_short: int = 4  # pla: short batches in a row while a long prefill waits
     max_prefill_steps_between_decodes: int = 2  # pla: bounds time between tokens
+    long_aging: float = 0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
+    static_short_batches: bool = True  # pla: right-pad short batches to their (batch, bucket) grid shape
     ttft_slo_factor: float = 5.0  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
     ttft_slo_floor: float = 0.25
 
@@ -44,6 +46,10 @@ class EngineConfig:
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
     use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
+    # Right-pad short batches to static (batch, bucket) shapes: "auto" does so where CUDA graphs are
+    # captured (the padding buys a graph replay); elsewhere padding is pure extra compute, so short
+    # batches run varlen (and decodes ride along). "always" / "never" force it (tests use "always").
+    pad_short_batches: str = "auto"
     profile: str | None = None  # calibrated profile (plaserve calibrate): cost model + scheduler settings
     online_refit: bool = True  # refit the cost model on the engine's own prefill timings
     seed: int = 0

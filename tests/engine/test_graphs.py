@@ -11,7 +11,7 @@ from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
 def make_engine(path: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig.from_kwargs(**({"model": path, "kv_cache_memory": "16MiB", "max_model_len": 1024,
-                                                  "policy": "pla"} | kw)))
+                                                  "policy": "pla", "pad_short_batches": "always"} | kw)))
 
 
 def start(engine: LLMEngine, ids: list[int]) -> BatchItem:
@@ -61,6 +61,10 @@ def test_generation_through_the_grid_equals_fcfs(llama_ckpt, policy):
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 20, 60, 100, 300, 700)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ref = [o.token_ids for o in make_engine_llm(llama_ckpt, "fcfs").generate(prompts, params)]
+    # pla without padding (the CPU default): varlen short batches with decodes riding along.
+    unpadded = make_engine_llm(llama_ckpt, "pla", pad="auto")
+    assert [o.token_ids for o in unpadded.generate(prompts, params)] == ref
+    assert unpadded.engine.runner.grid is None
     llm = make_engine_llm(llama_ckpt, policy)
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     if policy == "pla":
@@ -70,10 +74,10 @@ def test_generation_through_the_grid_equals_fcfs(llama_ckpt, policy):
         assert llm.engine.stats["grid_fallbacks"] > 0
 
 
-def make_engine_llm(path: str, policy: str):
+def make_engine_llm(path: str, policy: str, pad: str = "always"):
     from plaserve import LLM
 
-    return LLM(path, kv_cache_memory="16MiB", max_model_len=1024, policy=policy)
+    return LLM(path, kv_cache_memory="16MiB", max_model_len=1024, policy=policy, pad_short_batches=pad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -57,9 +57,15 @@ class LLMEngine:
         if self.profile is not None:
             config = dataclasses.replace(
                 config, scheduler=dataclasses.replace(config.scheduler, **self.profile.scheduler_overrides()))
-        self.config = config
         self.clock = clock
         self.device = resolve_device(config.device)
+        if config.pad_short_batches not in ("auto", "always", "never"):
+            raise ValueError(f"pad_short_batches must be auto, always or never, not {config.pad_short_batches!r}")
+        graphs = config.use_cuda_graphs and self.device.type == "cuda"
+        static = config.pad_short_batches == "always" or (config.pad_short_batches == "auto" and graphs)
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                           static_short_batches=static))
+        self.config = config
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if runner is None and loaded is None:
@@ -89,7 +95,7 @@ class LLMEngine:
             kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
                                             cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
             runner = ModelRunner(loaded.model, kv_caches, config.block_size, self.device)
-            if isinstance(self.scheduler, PlaScheduler):
+            if isinstance(self.scheduler, PlaScheduler) and sched.static_short_batches:
                 runner.build_grid(self.scheduler.grid_shapes(), capture=config.use_cuda_graphs)
         self.runner = runner
         self.generator = torch.Generator(self.device).manual_seed(config.seed)

@@ -121,7 +121,7 @@ class ModelRunner:
             static = self.grid.lookup(len(batch.items), batch.bucket) if self.grid else None
             if static is None:  # no grid entry: same batch, varlen eager path
                 batch = dataclasses.replace(batch, bucket=None)
-        if batch.kind == "short" and static is None:
+        if batch.kind == "short" and static is None and self.grid is not None:
             self.grid_fallbacks += 1
         packed = pack(batch, self.block_size, self.device)
         if static is not None:

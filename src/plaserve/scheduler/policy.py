@@ -88,6 +88,7 @@ class PlaScheduler(Scheduler):
         self.consecutive_short = 0  # short batches since the last long chunk
         self.prefill_steps_since_decode = 0
         self.last_short_dispatch = float("-inf")
+        self._now = 0.0  # time of the step being scheduled
 
     @property
     def long_chunk_time(self) -> float:
@@ -121,12 +122,10 @@ class PlaScheduler(Scheduler):
     def short_candidates(self) -> list[Request]:
         return [r for r in self.waiting if r.length_class == "short"]
 
-    def long_pending(self) -> Request | None:
-        """The long prefill to advance: one already running, else the oldest waiting long request."""
-        for r in self.running:
-            if r.length_class == "long" and r.in_prefill:
-                return r
-        return next((r for r in self.waiting if r.length_class == "long"), None)
+    def long_pending(self) -> bool:
+        """Whether any long prefill is waiting or under way."""
+        return any(r.length_class == "long" and (r in self.waiting or r.in_prefill)
+                   for r in (*self.running, *self.waiting))
 
     def decoding(self) -> list[Request]:
         return [r for r in self.running if not r.in_prefill]
@@ -150,7 +149,7 @@ class PlaScheduler(Scheduler):
         return min(window_end, slack_end)
 
     def next_wakeup(self, now: float) -> float | None:
-        if self.running or self.long_pending() is not None:
+        if self.running or self.long_pending():
             return now
         plan = self.short_batch_plan()
         return None if plan is None else max(now, self.short_ready_at(plan))
@@ -158,8 +157,9 @@ class PlaScheduler(Scheduler):
     # --- the step -------------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledBatch:
         c = self.config
+        self._now = now
         decodes = self.decoding()
-        long_req = self.long_pending()
+        long_pending = self.long_pending()
         plan = self.short_batch_plan()
         ready_at = self.short_ready_at(plan) if plan is not None else None
         short_ready = ready_at is not None and ready_at <= now
@@ -170,25 +170,27 @@ class PlaScheduler(Scheduler):
                 if r.metrics.ready_time is None:
                     r.metrics.ready_time = max(ready_at, self.last_short_dispatch, r.metrics.arrival_time)
         decode_due = bool(decodes) and self.prefill_steps_since_decode >= c.max_prefill_steps_between_decodes
-        long_due = long_req is not None and self.consecutive_short >= c.max_consecutive_short
+        long_due = long_pending and self.consecutive_short >= c.max_consecutive_short
 
         batch = ScheduledBatch([])
         if decode_due:
             batch = self.schedule_decode(decodes)
         if not batch and short_ready and not long_due:
-            batch = self.schedule_short(plan)
-        if not batch and long_req is not None:
-            batch = self.schedule_long(long_req)
+            batch = self.schedule_short(plan, decodes)
+        if not batch and long_pending:
+            batch = self.schedule_long(decodes)
         if not batch and decodes:
             batch = self.schedule_decode(decodes)
 
         if batch.kind == "short":
             self.last_short_dispatch = now
-        if batch.kind == "decode":
-            self.prefill_steps_since_decode = 0
+        if any(it.num_tokens == 1 and it.request.output_token_ids for it in batch.items):
+            self.prefill_steps_since_decode = 0  # a decode step, or decodes rode along
         elif batch:
             self.prefill_steps_since_decode += 1
-            self.consecutive_short = self.consecutive_short + 1 if batch.kind == "short" else 0
+        if batch:
+            self.consecutive_short = self.consecutive_short + 1 if batch.kind == "short" else 0 if batch.kind == "long" \
+                else self.consecutive_short
         return batch
 
     def schedule_decode(self, decodes: list[Request]) -> ScheduledBatch:
@@ -199,7 +201,9 @@ class PlaScheduler(Scheduler):
                 items.append(BatchItem(req, 1))
         return ScheduledBatch(items, kind="decode", preempted=preempted)
 
-    def schedule_short(self, plan: tuple[list[Request], int]) -> ScheduledBatch:
+    def schedule_short(self, plan: tuple[list[Request], int], decodes: list[Request]) -> ScheduledBatch:
+        """The planned bucket batch: right-padded to its static shape, or, without static batches,
+        varlen with the decodes riding along (as on long chunks)."""
         reqs, bucket = plan
         items = []
         for req in reqs:
@@ -214,10 +218,20 @@ class PlaScheduler(Scheduler):
                 req.length_class, req.uncached_estimate = "long", req.num_tokens
                 continue
             items.append(BatchItem(req, n))
+        if not self.config.static_short_batches:
+            return self.with_decodes(ScheduledBatch(items, kind="short"), decodes)
         # A request that hit the prefix cache after all cannot run padded from position 0: the batch
         # then takes the varlen eager path (a grid fallback).
         static = all(it.request.num_computed_tokens == 0 for it in items)
         return ScheduledBatch(items, kind="short", bucket=bucket if static else None)
+
+    def with_decodes(self, batch: ScheduledBatch, decodes: list[Request]) -> ScheduledBatch:
+        """Add one token for every decoding request to a varlen prefill step."""
+        if batch.items:
+            for req in decodes:
+                if req in self.running and self.reserve_or_preempt(req, 1, batch.items, batch.preempted):
+                    batch.items.append(BatchItem(req, 1))
+        return batch
 
     def finish_partial(self, req: Request) -> None:
         """Undo :meth:`try_start` for ``req`` (back to the head of the queue, blocks freed)."""
@@ -225,18 +239,41 @@ class PlaScheduler(Scheduler):
         self.free(req)
         self.waiting.appendleft(req)
 
-    def schedule_long(self, req: Request) -> ScheduledBatch:
-        chunk = self.config.long_chunk_size
-        if req in self.running:
-            n = min(req.num_pending_tokens, chunk)
-            preempted: list[Request] = []
-            if not self.reserve_or_preempt(req, n, [], preempted):
-                return ScheduledBatch([], preempted=preempted)
-            return ScheduledBatch([BatchItem(req, n)], kind="long", preempted=preempted)
-        if len(self.running) >= self.max_num_seqs:
-            return ScheduledBatch([])
-        n = self.try_start(req, chunk)
-        return ScheduledBatch([BatchItem(req, n)] if n else [], kind="long")
+    def long_queue(self) -> list[Request]:
+        """Long prefills in the order they advance: running ones first, then waiting ones by arrival."""
+        running = [r for r in self.running if r.length_class == "long" and r.in_prefill]
+        waiting = [r for r in self.waiting if r.length_class == "long"]
+        return running + sorted(waiting, key=self._long_priority)
+
+    def _long_priority(self, req: Request) -> float:
+        """Shortest predicted prefill first, aged: each second of waiting counts as ``long_aging``
+        seconds less work, so a long request waits behind shorter ones only for a bounded time."""
+        waited = self._now - req.metrics.arrival_time
+        return self.cost.prefill_time(req.uncached_estimate) - self.config.long_aging * waited
+
+    def schedule_long(self, decodes: list[Request]) -> ScheduledBatch:
+        """One chunk of ``long_chunk_size`` prefill tokens, packed from the head of the long queue (a
+        request's last, partial chunk is topped up from the next), with every decode riding along:
+        the step is varlen and eager anyway, and a decode token costs little beside a chunk."""
+        budget = self.config.long_chunk_size
+        items: list[BatchItem] = []
+        preempted: list[Request] = []
+        for req in self.long_queue():
+            if budget == 0:
+                break
+            if req in self.running:
+                n = min(req.num_pending_tokens, budget)
+                if not self.reserve_or_preempt(req, n, items, preempted):
+                    continue
+            else:
+                if preempted or len(self.running) >= self.max_num_seqs:
+                    break
+                n = self.try_start(req, budget)
+                if n == 0:
+                    break
+            items.append(BatchItem(req, n))
+            budget -= n
+        return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)
 
 
 POLICIES: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PlaScheduler, FcfsScheduler, SpfScheduler)}

@@ -1,0 +1,168 @@
+"""Per-worker state: health, circuit breaker, requests in flight, and the virtual backlog.
+
+The virtual backlog ``B_k`` of worker ``k`` is the predicted prefill work (seconds, by the worker's
+cost model) that stands between a new request and its first token there:
+
+* **router accounting**: every request adds its predicted cost when it is dispatched and takes it
+  away when its first token comes back, so ``B_k`` = the sum over requests still waiting for their
+  first token;
+* **reconciled with ``/load``** when the worker reports one (plaserve workers): the reported
+  ``backlog_s`` (short + long) is the worker's own view, which also knows partial progress, cache hits
+  and requests from other clients. A report asked for at ``sent`` and received at ``received`` is
+  drained at one second of work per second since ``received`` (a busy worker works off its queue in
+  real time) and the router adds the costs of its requests dispatched after ``sent`` that still wait
+  for a first token, which the report cannot contain:
+
+      B_k(now) = max(0, backlog_s - (now - received)) + sum(cost of waiting requests dispatched after sent)
+
+  (a request dispatched at the very instant of ``sent`` counts as unseen: counting it twice is the
+  safe error). A report older than ``load_stale_s`` is ignored and the router's accounting is used alone, as for
+  backends without ``/load``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Sequence
+
+from plaserve.cost import CostModel
+from plaserve.router.breaker import CircuitBreaker
+from plaserve.router.config import BreakerConfig
+
+
+@dataclass
+class InFlight:
+    """One request the router has sent to a worker and not seen finish."""
+
+    cost: float  # predicted prefill seconds on this worker
+    tokens: int  # prompt tokens (all prompts of the request)
+    length_class: str
+    dispatched: float  # router clock
+    prefill_done: bool = False  # first token seen
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a worker's ``GET /load`` said, and when."""
+
+    backlog_s: float
+    sent: float  # router clock when the poll was sent
+    received: float  # ...and when the answer arrived
+    num_requests: int | None = None
+
+
+class Worker:
+    """One backend server, as the router sees it.
+
+    Times are the router's monotonic clock, passed in by the caller, so that every decision made from
+    this state can be replayed in tests.
+    """
+
+    def __init__(self, url: str, cost_model: CostModel, breaker: BreakerConfig, *, healthy: bool = True) -> None:
+        self.url = url.rstrip("/")
+        self.cost_model = cost_model  # the model that prices requests here (see plaserve.router.costs)
+        self.reports_cost = False  # the cost model is the worker's own, from its /load
+        self.breaker = CircuitBreaker(breaker)
+        self.healthy = healthy
+        self.removed = False  # deleted by the operator: no new requests; those in flight finish
+        self.inflight: dict[int, InFlight] = {}
+        self.load: LoadReport | None = None
+        self.supports_load: bool | None = None  # None: not asked yet
+        self.supports_tokenize: bool | None = None
+        self.health_path = "/health"  # becomes /v1/models for servers with only the OpenAI endpoints
+        self.check_failures = 0  # consecutive failed health checks
+        self.check_successes = 0
+        self.requests_total = 0
+        self.work_total = 0.0  # predicted prefill seconds of every request dispatched here
+        self.failures_total = 0
+        # Requests waiting for their first byte from this worker: cancelled when it goes unhealthy,
+        # so they try elsewhere at once instead of waiting for a timeout.
+        self.waiting: set[asyncio.Task] = set()
+        self.abandoned: set[asyncio.Task] = set()
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, healthy={self.healthy}, inflight={len(self.inflight)})"
+
+    # --- what policies read ------------------------------------------------------------------
+    def cost(self, tokens: Sequence[int]) -> float:
+        """Predicted prefill seconds of a request with these prompt lengths (one entry per prompt)."""
+        return sum(self.cost_model.prefill_time(n) for n in tokens)
+
+    def backlog(self, now: float, load_stale_s: float = float("inf")) -> float:
+        """The virtual backlog ``B_k`` in seconds (module docstring)."""
+        report = self.load
+        if report is None or now - report.received > load_stale_s:
+            return sum(r.cost for r in self.inflight.values() if not r.prefill_done)
+        unseen = sum(r.cost for r in self.inflight.values() if not r.prefill_done and r.dispatched >= report.sent)
+        return max(0.0, report.backlog_s - (now - report.received)) + unseen
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests sent and not finished (prefill or decode)."""
+        return len(self.inflight)
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Prompt tokens of the requests sent and not finished."""
+        return sum(r.tokens for r in self.inflight.values())
+
+    def available(self, now: float) -> bool:
+        """Whether new requests may be sent here."""
+        return self.healthy and not self.removed and self.breaker.allows(now)
+
+    # --- what the proxy reports ----------------------------------------------------------------
+    def start(self, rid: int, cost: float, tokens: int, length_class: str, now: float) -> None:
+        """A request was dispatched here."""
+        self.inflight[rid] = InFlight(cost, tokens, length_class, now)
+        self.requests_total += 1
+        self.work_total += cost
+        self.breaker.on_dispatch(now)
+
+    def first_token(self, rid: int) -> None:
+        """The request's first token came back: its prefill is no longer in the backlog."""
+        entry = self.inflight.get(rid)
+        if entry is not None:
+            entry.prefill_done = True
+
+    def finish(self, rid: int, ok: bool, now: float, *, worker_fault: bool | None = None) -> None:
+        """The request left this worker. ``worker_fault`` (default: not ``ok``) feeds the breaker;
+        a client that went away or a 4xx answer is not the worker's fault."""
+        self.inflight.pop(rid, None)
+        fault = (not ok) if worker_fault is None else worker_fault
+        if fault:
+            self.failures_total += 1
+            self.breaker.record_failure(now)
+        elif ok:
+            self.breaker.record_success()
+
+    def set_healthy(self, healthy: bool) -> None:
+        """Enter or leave the rotation; leaving it cancels the requests still waiting for a first byte."""
+        self.healthy = healthy
+        if not healthy:
+            for task in list(self.waiting):
+                self.abandoned.add(task)
+                task.cancel()
+
+    def remove(self) -> None:
+        """The operator removed the worker: no new requests; those in flight finish there."""
+        self.removed = True
+
+    def drain_eta(self, level: float, now: float, load_stale_s: float) -> float | None:
+        """Seconds until the backlog falls to ``level`` by the worker working off its reported backlog
+        alone (None: it will not, without an event such as a first token, or it is there already)."""
+        report = self.load
+        if report is None or now - report.received > load_stale_s:
+            return None
+        left = report.backlog_s - (now - report.received)
+        excess = self.backlog(now, load_stale_s) - level
+        return excess if 0 < excess <= left else None
+
+    def describe(self, now: float, load_stale_s: float) -> dict:
+        """The worker's state as JSON (``GET /workers``)."""
+        return {"url": self.url, "healthy": self.healthy, "breaker": self.breaker.state(now),
+                "available": self.available(now), "backlog_s": round(self.backlog(now, load_stale_s), 6),
+                "inflight": self.num_inflight, "inflight_tokens": self.inflight_tokens,
+                "requests_total": self.requests_total, "failures_total": self.failures_total,
+                "supports_load": self.supports_load, "health_path": self.health_path,
+                "cost_model": self.cost_model.as_dict()}
