@@ -1,6 +1,6 @@
 """Compare the step policies (pla, fcfs, spf) on one instance, replaying real trace slices.
 
-    .venv/bin/python benchmarks/policies.py                # full run (~15 min), tables + plots
+    .venv/bin/python benchmarks/policies.py --out docs/img  # full run (~10 min), tables + plots
     .venv/bin/python benchmarks/policies.py --quick        # ~2 min (what `plaserve demo` runs)
 
 Setup, fixed before looking at results:

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", type=float, default=0.6, help="predicted prefill work / wall time")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
-    p.add_argument("--seconds", type=float, default=None, help="length of each policy run (default 120, quick 35)")
+    p.add_argument("--seconds", type=float, default=None, help="length of each policy run (default 60, quick 35)")
     p.add_argument("--starvation-seconds", type=float, default=30.0)
     args = p.parse_args(argv)
     logging.getLogger("plaserve").setLevel(logging.ERROR)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                           lengths=(32, 128, 512, 1024, 2048), repeats=2)
     print(f"  c0={cost.c0 * 1e3:.2f} ms  g1={cost.g1 * 1e6:.1f} us/token  g2={cost.g2 * 1e9:.2f} ns/pair "
           f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)")
-    seconds = args.seconds or (35.0 if args.quick else 120.0)
+    seconds = args.seconds or (35.0 if args.quick else 60.0)
     slices = [Slice("code", "azure_code_2023.csv", 0, 2000)] + ([] if args.quick else
                                                               [Slice("conv", "azure_conv_2023.csv", 0, 4000)])
     policies = args.policies.split(",")
