@@ -3,7 +3,8 @@
 * **Health**: ``GET /health`` every ``interval_s``; a worker whose health check fails
   ``failure_threshold`` times in a row leaves the rotation, and comes back after
   ``success_threshold`` good checks. A server without ``/health`` (it answers 404: only the OpenAI
-  endpoints) is checked with ``GET /v1/models`` instead.
+  endpoints) is checked with ``GET /v1/models`` instead. A worker back from unhealthy starts with a
+  closed circuit breaker.
 * **Load**: ``GET /load`` every ``load_interval_s`` on workers in rotation (plaserve workers); the
   report reconciles the router's virtual backlog (:mod:`plaserve.router.workers`) and may carry the
   worker's cost model and short threshold. A worker that answers 404 or 405 has no ``/load`` and is
@@ -120,6 +121,9 @@ class WorkerMonitor:
             worker.check_failures, worker.check_successes = 0, worker.check_successes + 1
             if not worker.healthy and worker.check_successes >= self.config.success_threshold:
                 worker.set_healthy(True)
+                # Failed checks mean it went down (and was restarted, most likely): the failures its
+                # circuit breaker counted were the old process's.
+                worker.breaker.reset()
                 log.warning("worker %s is healthy: in rotation", worker.url)
                 return True
         else:

@@ -189,9 +189,10 @@ class PlaPolicy(Policy):
 
     def next_wakeup(self, workers: Sequence[Worker], now: float) -> float | None:
         # Reported backlogs drain with time: the next moment one crosses the horizon or the budget.
+        # A millisecond past the crossing, so the backlog is under the level when we look again.
         etas = [eta for w in workers for level in (self._horizon, self._budget)
                 if (eta := w.drain_eta(level, now, self._stale)) is not None]
-        return min(etas) if etas else None
+        return min(etas) + 1e-3 if etas else None
 
     def on_dispatch(self, job: Job, worker: Worker, cost: float, now: float) -> None:
         # Predicted TTFT as the client sees it: time already spent in the router, plus the backlog,

@@ -1,0 +1,71 @@
+"""Prompt length estimates: ids, the model's tokenizer, a worker's /tokenize, characters."""
+
+from __future__ import annotations
+
+import asyncio
+
+from plaserve.model.tokenizer import load_tokenizer
+from plaserve.router.length import (CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_REPLY, LengthEstimator,
+                                    chat_chars_estimate)
+from plaserve.server.prompts import encode_chat
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [{"type": "text", "text": "Hello world! "}, {"type": "text", "text": "How are you?"}]}]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_token_ids_are_exact_and_need_nothing_else():
+    est = LengthEstimator()
+    assert run(est.completion({"prompt": [1, 2, 3]})) .tokens == (3,)
+    e = run(est.completion({"prompt": [[1, 2], [3, 4, 5, 6]]}))
+    assert (e.tokens, e.method) == ((2, 4), "token_ids")
+
+
+def test_the_models_tokenizer_counts_text_and_the_chat_template(tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    est = LengthEstimator(tok)
+    text = "The quick brown fox jumps over the lazy dog."
+    e = run(est.completion({"prompt": [text, [7, 8]]}))
+    assert (e.tokens, e.method) == ((len(tok.encode(text)), 2), "tokenizer")
+    e = run(est.chat({"messages": MESSAGES}))
+    plain = [{"role": m["role"], "content": c if isinstance(c := m["content"], str) else "".join(p["text"] for p in c)}
+             for m in MESSAGES]
+    assert (e.tokens, e.method) == ((len(encode_chat(tok, plain)),), "tokenizer")  # exactly what the server counts
+
+
+def test_a_workers_tokenize_is_asked_with_the_prompt_or_the_messages():
+    asked = []
+
+    async def remote(payload):
+        asked.append(payload)
+        return 42
+
+    est = LengthEstimator()
+    e = run(est.completion({"model": "m", "prompt": ["abc", [1, 2]]}, remote))
+    assert (e.tokens, e.method) == ((42, 2), "worker")
+    e = run(est.chat({"messages": MESSAGES}, remote))
+    assert (e.tokens, e.method) == ((42,), "worker")
+    assert asked == [{"prompt": "abc", "model": "m"}, {"messages": MESSAGES}]
+
+
+def test_characters_when_nothing_else_answers():
+    async def nobody(payload):
+        return None
+
+    est = LengthEstimator()
+    e = run(est.completion({"prompt": "x" * 400}, nobody))
+    assert (e.tokens, e.method) == ((100,), "chars")
+    e = run(est.chat({"messages": MESSAGES}))
+    expected = CHAT_TOKENS_REPLY + 2 * CHAT_TOKENS_PER_MESSAGE + round((6 + 14) / 4) + round((4 + 25) / 4)
+    assert e.tokens == (expected,) == (chat_chars_estimate(MESSAGES),)
+
+
+def test_unreadable_bodies_are_left_to_the_worker():
+    est = LengthEstimator()
+    for body in ({}, {"prompt": 5}, {"prompt": []}, {"prompt": [[1], "a", 3]}):
+        assert run(est.completion(body)).method == "unknown"
+    for body in ({}, {"messages": []}, {"messages": [{"role": "user", "content": 5}]}):
+        assert run(est.chat(body)).method == "unknown"
