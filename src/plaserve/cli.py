@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "route": ("plaserve.router.cli", "length-aware router in front of plaserve or any OpenAI-compatible workers"),
     "cluster": ("plaserve.router.cluster", "start N workers and a router in front of them"),
     "calibrate": ("plaserve.calibrate", "measure the prefill cost model and choose scheduling settings"),
+    "simulate": ("plaserve.sim.cli", "simulate a cluster: the real schedulers and router on a simulated clock"),
 }
 
 
