@@ -5,8 +5,9 @@
 
 Setup, fixed before looking at results:
 * the embedded default model (random weights, float32, CPU), one engine per policy, same settings;
-* lengths of the Azure traces scaled by --length-scale (prompts capped to the model length);
-  arrivals compressed so the predicted prefill work fills --load of the wall time (the decode work
+* lengths of the Azure traces scaled by --length-scale (0.25; prompts capped at 4000, outputs at 64);
+  arrivals rescaled so the predicted prefill work fills --load of the wall time (code 0.7, conversation
+  0.35: its long outputs add much decode work; the decode work
   comes on top: the measured fcfs utilization is printed);
 * TTFT SLO of each request = max(floor, 5 x its predicted isolated prefill time), the cost model being
   fitted on this machine at the start of the run;

@@ -44,6 +44,7 @@ class Slice:
     file: str
     start: int
     count: int
+    load: float  # predicted prefill work / wall time; the conversation trace's long outputs add decode work
 
 
 def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, max_prompt: int,
@@ -176,18 +177,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="one short slice (~2 min): the demo")
     p.add_argument("--length-scale", type=float, default=0.25)
-    p.add_argument("--load", type=float, default=0.6, help="predicted prefill work / wall time")
+    p.add_argument("--load", type=float, default=None,
+                   help="predicted prefill work / wall time (default: code 0.7, conversation 0.35)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
     p.add_argument("--seconds", type=float, default=None, help="length of each policy run (default 60, quick 35)")
     p.add_argument("--starvation-seconds", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 makes timings robust to other processes on a shared machine)")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     logging.getLogger("plaserve").setLevel(logging.ERROR)
 
     device = resolve_device("auto")
     dtype = resolve_dtype("auto", device)
     loaded = load_model(None, dtype, device)
-    print("model: embedded default (RANDOM WEIGHTS), float32 on", device)
+    import torch
+
+    print(f"model: embedded default (RANDOM WEIGHTS), float32 on {device}, {torch.get_num_threads()} threads")
     slo = SloRule(factor=5.0, floor=0.5)
     sched = SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor)
     config = EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, scheduler=sched)
@@ -197,16 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  c0={cost.c0 * 1e3:.2f} ms  g1={cost.g1 * 1e6:.1f} us/token  g2={cost.g2 * 1e9:.2f} ns/pair "
           f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)")
     seconds = args.seconds or (35.0 if args.quick else 60.0)
-    slices = [Slice("code", "azure_code_2023.csv", 0, 2000)] + ([] if args.quick else
-                                                              [Slice("conv", "azure_conv_2023.csv", 0, 4000)])
+    slices = [Slice("code", "azure_code_2023.csv", 0, 2000, args.load or 0.7)]
+    if not args.quick:
+        slices.append(Slice("conv", "azure_conv_2023.csv", 0, 4000, args.load or 0.35))
     policies = args.policies.split(",")
     out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
     for s in slices:
-        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, args.load, max_prompt=4000, max_output=64,
+        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, s.load, max_prompt=4000, max_output=64,
                                             seconds=seconds)
         n_long = sum(a.prompt_tokens >= sched.short_threshold for a in arrivals)
         print(f"\n== {s.file} rows {s.start}..{s.start + len(arrivals)}: lengths x{args.length_scale}, outputs capped "
-              f"at 64, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "
+              f"at 64, load {s.load}, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "
               f"{arrivals[-1].arrival:.0f} s); {n_long} long of {len(arrivals)}", flush=True)
         results, records = {}, {}
         for pol in policies:
@@ -219,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         table = comparison_table(results)
         print("\n" + table + "\n")
         print("\n".join(ratio_lines(results)))
-        out["traces"][s.name] = {"time_scale": time_scale, "length_scale": args.length_scale, "results": results,
+        out["traces"][s.name] = {"time_scale": time_scale, "length_scale": args.length_scale, "load": s.load,
+                                 "requests": len(arrivals), "results": results,
                                  "table": table, "checks": ratio_lines(results)}
         if args.out:
             os.makedirs(args.out, exist_ok=True)

@@ -131,20 +131,45 @@ class PlaScheduler(Scheduler):
         return [r for r in self.running if not r.in_prefill]
 
     # --- the window -----------------------------------------------------------------------
-    def short_batch_plan(self) -> tuple[list[Request], int] | None:
-        return pick_bucket_batch(self.short_candidates(), self._uncached, self.buckets, self.max_batch_for)
+    def short_batch_plan(self) -> tuple[list[Request], int | None] | None:
+        """The batch forming at the head of the short queue, and its bucket.
 
-    def short_ready_at(self, plan: tuple[list[Request], int]) -> float:
+        Static batches take one bucket (see :func:`pick_bucket_batch`). Varlen batches need no common
+        shape, so they take the oldest short requests of any length up to the per-batch token cap.
+        """
+        cands = self.short_candidates()
+        if self.config.static_short_batches:
+            return pick_bucket_batch(cands, self._uncached, self.buckets, self.max_batch_for)
+        if not cands:
+            return None
+        reqs, tokens = [], 0
+        for r in cands:
+            if reqs and tokens + self._uncached(r) > self.max_num_batched_tokens:
+                break
+            reqs.append(r)
+            tokens += self._uncached(r)
+        return reqs, None
+
+    def _plan_target(self, plan: tuple[list[Request], int | None]) -> int:
+        """How many requests make the planned batch full."""
+        reqs, bucket = plan
+        if bucket is not None:
+            return self.max_batch_for(bucket)
+        # Varlen: as many requests of the batch's mean length as the token cap holds.
+        mean = max(1.0, sum(self._uncached(r) for r in reqs) / len(reqs))
+        return max(len(reqs), int(self.max_num_batched_tokens // mean))
+
+    def short_ready_at(self, plan: tuple[list[Request], int | None]) -> float:
         """Time at which the forming short batch must leave: window end, or earlier on low slack."""
         reqs, bucket = plan
-        target = self.max_batch_for(bucket)
+        target = self._plan_target(plan)
         if len(reqs) >= target:
             return reqs[target - 1].metrics.arrival_time  # full since its last member arrived
         oldest = reqs[0].metrics.arrival_time
         window_end = oldest + self.window.width(target, len(reqs))
         # Deadline slack: leave when waiting longer would leave less than one long chunk of margin
         # between the predicted finish and the tightest TTFT deadline.
-        exec_time = self.cost.batch_time([(bucket, 0)] * len(reqs))
+        exec_time = self.cost.batch_time([(bucket or self._uncached(r), 0) for r in reqs])
         slack_end = min(r.metrics.arrival_time + r.ttft_slo for r in reqs) - exec_time - self.long_chunk_time
         return min(window_end, slack_end)
 
@@ -201,7 +226,7 @@ class PlaScheduler(Scheduler):
                 items.append(BatchItem(req, 1))
         return ScheduledBatch(items, kind="decode", preempted=preempted)
 
-    def schedule_short(self, plan: tuple[list[Request], int], decodes: list[Request]) -> ScheduledBatch:
+    def schedule_short(self, plan: tuple[list[Request], int | None], decodes: list[Request]) -> ScheduledBatch:
         """The planned bucket batch: right-padded to its static shape, or, without static batches,
         varlen with the decodes riding along (as on long chunks)."""
         reqs, bucket = plan
@@ -209,7 +234,7 @@ class PlaScheduler(Scheduler):
         for req in reqs:
             if len(self.running) >= self.max_num_seqs:
                 break
-            n = self.try_start(req, bucket)
+            n = self.try_start(req, bucket or self.config.short_threshold)
             if n == 0:
                 break
             if n < req.num_pending_tokens:
