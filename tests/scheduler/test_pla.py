@@ -85,14 +85,15 @@ def test_window_never_exceeds_w_max():
     assert widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001  # it did wait, within bounds
 
 
-def test_deadline_slack_dispatches_before_the_window_ends():
+@pytest.mark.parametrize("pad", ["always", "never"])
+def test_deadline_slack_dispatches_before_the_window_ends(pad):
     # A 0.5 s window, but a TTFT SLO of 0.1 s: the batch must leave early to meet it.
     engine, clock, runner = sim_engine(policy="pla", w_min=0.5, w_max=0.5, ttft_slo_floor=0.1,
-                                       ttft_slo_factor=1.0, long_chunk_size=256)
+                                       ttft_slo_factor=1.0, long_chunk_size=256, pad_short_batches=pad)
     (req,) = replay(engine, clock, [A(0.0, 100)])
     waited = dispatch_time(runner, req)
     margin = COST.prefill_time(256)
-    exec_time = COST.batch_time([(128, 0)])
+    exec_time = COST.batch_time([(128 if pad == "always" else 100, 0)])  # padded to its bucket, or not
     assert waited == pytest.approx(0.1 - exec_time - margin)
     assert req.metrics.ttft <= 0.1
 
