@@ -161,6 +161,28 @@ class Scheduler:
         self.reserve(req, num_tokens)
         return True
 
+    def pack(self, order: list[Request], budget: int, items: list[BatchItem], preempted: list[Request]) -> int:
+        """Append work for the requests of ``order`` to ``items`` within ``budget`` tokens: a running
+        request continues (preempting newer ones if memory is short), a waiting one starts. Stops at the
+        first request that cannot start. Returns the budget left."""
+        for req in order:
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                n = min(req.num_pending_tokens, budget)
+                if not self.reserve_or_preempt(req, n, items, preempted):
+                    continue
+            else:
+                # No new starts in a step that had to preempt, nor beyond the sequence limit.
+                if preempted or len(self.running) >= self.max_num_seqs:
+                    break
+                n = self.try_start(req, budget)
+                if n == 0:
+                    break
+            items.append(BatchItem(req, n))
+            budget -= n
+        return budget
+
     # --- the step -----------------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledBatch:
         """The work of the next step (possibly empty). Implemented by each policy."""

@@ -37,29 +37,10 @@ class FcfsScheduler(Scheduler):
         return list(self.waiting)
 
     def schedule(self, now: float) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
         items: list[BatchItem] = []
         preempted: list[Request] = []
-        # Running requests first (decodes and unfinished prefills), oldest first.
-        for req in list(self.running):
-            if budget == 0:
-                break
-            if req not in self.running:  # preempted by an older request in this loop
-                continue
-            n = min(req.num_pending_tokens, budget)
-            if self.reserve_or_preempt(req, n, items, preempted):
-                items.append(BatchItem(req, n))
-                budget -= n
-        # Then new requests while budget, sequence slots and memory last.
-        if not preempted:
-            for req in self.waiting_order():
-                if budget == 0 or len(self.running) >= self.max_num_seqs:
-                    break
-                n = self.try_start(req, budget)
-                if n == 0:
-                    break
-                items.append(BatchItem(req, n))
-                budget -= n
+        # Running requests first (decodes and unfinished prefills), oldest first; then new ones.
+        self.pack([*self.running, *self.waiting_order()], self.max_num_batched_tokens, items, preempted)
         return ScheduledBatch(items, kind="mixed", preempted=preempted)
 
 
@@ -280,24 +261,9 @@ class PlaScheduler(Scheduler):
         """One chunk of ``long_chunk_size`` prefill tokens, packed from the head of the long queue (a
         request's last, partial chunk is topped up from the next), with every decode riding along:
         the step is varlen and eager anyway, and a decode token costs little beside a chunk."""
-        budget = self.config.long_chunk_size
         items: list[BatchItem] = []
         preempted: list[Request] = []
-        for req in self.long_queue():
-            if budget == 0:
-                break
-            if req in self.running:
-                n = min(req.num_pending_tokens, budget)
-                if not self.reserve_or_preempt(req, n, items, preempted):
-                    continue
-            else:
-                if preempted or len(self.running) >= self.max_num_seqs:
-                    break
-                n = self.try_start(req, budget)
-                if n == 0:
-                    break
-            items.append(BatchItem(req, n))
-            budget -= n
+        self.pack(self.long_queue(), self.config.long_chunk_size, items, preempted)
         return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)
 
 
