@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -31,32 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from plaserve.bench.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
+from plaserve.router.launcher import RouterProcess  # noqa: E402
 from plaserve.server.launcher import free_port  # noqa: E402
 
 BODY = {"prompt": list(range(10, 110)), "max_tokens": 1, "temperature": 0.0}
-
-
-def start_router(worker_urls: list[str], policy: str, port: int) -> subprocess.Popen:
-    """``plaserve route`` in a child process, waiting until it answers ``/health``."""
-    import httpx
-
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.Popen([sys.executable, "-m", "plaserve.cli", "route", "--worker-urls", *worker_urls,
-                             "--policy", policy, "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"plaserve route exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("plaserve route did not become healthy")
 
 
 async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
@@ -107,11 +84,11 @@ def main() -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
 
-    backend_port, router_port = free_port(), free_port()
+    backend_port = free_port()
     backend = spawn([backend_port], FakeGpuConfig(CostModel(0.0, 0.0, source="instant"), tbt_s=0.0,
                                                   max_output_tokens=1))
-    router = start_router([f"http://127.0.0.1:{backend_port}"], args.policy, router_port)
-    direct, routed = f"http://127.0.0.1:{backend_port}", f"http://127.0.0.1:{router_port}"
+    router = RouterProcess([f"http://127.0.0.1:{backend_port}"], ["--policy", args.policy]).start()
+    direct, routed = f"http://127.0.0.1:{backend_port}", router.url
     results: dict[str, dict] = {}
     try:
         for stream in (False, True):
@@ -124,9 +101,8 @@ def main() -> int:
             results[mode] = {"direct_ms": d, "router_ms": r, "added_p50_ms": r["p50"] - d["p50"],
                              "direct_rps": rps_d, "router_rps": rps_r}
     finally:
-        router.terminate()
+        router.stop()
         backend.terminate()
-        router.wait(10)
         backend.wait(10)
 
     print(f"policy {args.policy}; {args.requests} sequential requests after {args.warmup} warm-up; "

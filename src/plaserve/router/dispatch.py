@@ -92,8 +92,9 @@ class Dispatcher:
             raise
 
     def wake(self) -> None:
-        """Something changed that may let a held request go."""
-        self._wake.set()
+        """Something changed that may let a held request go (nothing to do while none is held)."""
+        if self._held:
+            self._wake.set()
 
     def release(self) -> float | None:
         """Place every held request that may go now; returns seconds until it is worth looking again."""

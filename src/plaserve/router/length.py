@@ -45,7 +45,9 @@ class Estimate:
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    # The first element decides: checking all of a 30,000-id prompt would cost the router more than
+    # the rest of its work on the request, and a malformed list is the worker's to refuse.
+    return isinstance(x, list) and bool(x) and type(x[0]) is int
 
 
 def completion_prompts(body: dict[str, Any]) -> list[str | list[int]] | None:
@@ -56,7 +58,7 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]] | None:
     if isinstance(prompt, list) and prompt:
         if _is_ids(prompt):
             return [prompt]
-        if all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
+        if all(isinstance(p, str) or _is_ids(p) for p in prompt):
             return list(prompt)
     return None
 
