@@ -9,7 +9,8 @@ worker) in another child process; the client (aiohttp, one connection pool) in t
 * **throughput**: ``--concurrency`` requests in flight for ``--seconds``; requests per second.
 
 Both for a non-streamed and a streamed ``/v1/completions`` (100 prompt token ids, ``max_tokens`` 1).
-Target (issue 6): under 1 ms added at p50.
+Target (issue 6): under 1 ms added at p50. Client, router and backend share the machine's CPUs, so
+other work on it shows in the numbers; the run prints the 1-minute load average before and after.
 
     python benchmarks/router_overhead.py [--policy pla] [--requests 2000] [--out docs/router_overhead.json]
 """
@@ -90,6 +91,7 @@ def main() -> int:
     router = RouterProcess([f"http://127.0.0.1:{backend_port}"], ["--policy", args.policy]).start()
     direct, routed = f"http://127.0.0.1:{backend_port}", router.url
     results: dict[str, dict] = {}
+    load_before = os.getloadavg()[0]
     try:
         for stream in (False, True):
             mode = "stream" if stream else "no-stream"
@@ -105,8 +107,10 @@ def main() -> int:
         backend.terminate()
         backend.wait(10)
 
+    load_after = os.getloadavg()[0]
     print(f"policy {args.policy}; {args.requests} sequential requests after {args.warmup} warm-up; "
-          f"throughput with {args.concurrency} in flight for {args.seconds:g} s")
+          f"throughput with {args.concurrency} in flight for {args.seconds:g} s; machine load (1 min) "
+          f"{load_before:.1f} -> {load_after:.1f}")
     print("| mode | direct p50 / p99 (ms) | via router p50 / p99 (ms) | added p50 (ms) | direct req/s | router req/s |")
     print("|---|---|---|---|---|---|")
     for mode, r in results.items():
@@ -117,7 +121,8 @@ def main() -> int:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"policy": args.policy, "requests": args.requests, "concurrency": args.concurrency,
-                       "seconds": args.seconds, "results": results}, f, indent=1)
+                       "seconds": args.seconds, "loadavg_1min": [load_before, load_after], "results": results},
+                      f, indent=1)
     return 0
 
 

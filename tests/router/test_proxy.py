@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 
+from plaserve.cost import CostModel
 from plaserve.router.config import BreakerConfig, RouterConfig
 from plaserve.server.launcher import free_port
 
@@ -181,5 +182,24 @@ def test_workers_added_and_removed_at_run_time():
                 assert r.status == 404
             async with c.session.post(c.url + "/workers", json={"address": "nowhere"}) as r:
                 assert r.status == 400
+
+    run(main())
+
+
+def test_a_client_that_leaves_frees_its_place_on_the_worker():
+    async def main():
+        slow = gpu(cost_model=CostModel(g1=1e-3, g2=0.0))  # 1 ms per token
+        async with cluster([slow]) as c:
+            body = {"prompt": list(range(500)), "max_tokens": 1, "stream": True}  # 0.5 s of prefill each
+            first = asyncio.ensure_future(stream_events(c.session, c.url + "/v1/completions", body))
+            await asyncio.sleep(0.1)
+            second = asyncio.ensure_future(stream_events(c.session, c.url + "/v1/completions", body))
+            await asyncio.sleep(0.1)
+            second.cancel()  # the client goes away while its request queues on the worker
+            await first
+            await asyncio.sleep(0.2)
+            worker = c.router.workers[c.gpus[0].url]
+            assert worker.num_inflight == 0 and worker.backlog(time.monotonic()) == 0.0
+            assert c.gpus[0].gpu.stats.aborted == 1 and c.gpus[0].gpu.stats.requests == 1
 
     run(main())

@@ -21,6 +21,7 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("plaserve_router_requests_total", "requests answered, by route and status",
                                 ["route", "status"], registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         self.attempts = Counter("plaserve_router_worker_attempts_total",
                                 "requests sent to a worker, by outcome (ok, failed, client_error, client_gone)",
                                 ["worker", "outcome"], registry=r)
@@ -46,6 +47,15 @@ class RouterMetrics:
         self.resizes = Gauge("plaserve_router_pool_resizes", "short pool resizes by the controller so far (pla)",
                              registry=r)
 
+    def child(self, metric: Counter | Histogram, *labels: str):
+        """``metric.labels(*labels)``, looked up once per label tuple (prometheus_client's lookup takes
+        a lock and builds a key on every call; this is on every request's path)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def render(self, workers: list["Worker"], policy: "Policy", held: int, now: float, load_stale_s: float) -> bytes:
         """The text exposition, after refreshing the gauges from the live state."""
         self.held.set(held)
@@ -62,7 +72,7 @@ class RouterMetrics:
         return generate_latest(self.registry)
 
     def forget_worker(self, url: str) -> None:
-        """Drop a removed worker's labelled series."""
+        """Drop a removed worker's labelled series (its attempt counts stay: they are history)."""
         for gauge in (self.backlog, self.inflight, self.healthy):
             try:
                 gauge.remove(url)

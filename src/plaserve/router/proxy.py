@@ -236,7 +236,7 @@ class Router:
         if not isinstance(body, dict):
             return self._reply(path, 400, error_json(400, "request body must be a JSON object"))
         est = await self.estimate(path, body)
-        self.metrics.estimates.labels(est.method).inc()
+        self.metrics.child(self.metrics.estimates, est.method).inc()
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
         stream = body.get("stream") is True
         headers = request_headers(request.headers)
@@ -261,7 +261,7 @@ class Router:
         return self._reply(path, failure.status, failure.body, failure.headers)
 
     def _reply(self, route: str, status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
-        self.metrics.requests.labels(route, str(status)).inc()
+        self.metrics.child(self.metrics.requests, route, str(status)).inc()
         out = {"Content-Type": JSON, **(headers or {})}
         return web.Response(status=status, body=body, headers=out)
 
@@ -299,7 +299,7 @@ class Router:
             if not done:
                 done = True
                 worker.finish(rid, ok, self._clock(), worker_fault=fault)
-                self.metrics.attempts.labels(worker.url, outcome).inc()
+                self.metrics.child(self.metrics.attempts, worker.url, outcome).inc()
                 self.dispatcher.wake()
 
         task = asyncio.ensure_future(self._until_first_token(worker, path, raw, headers, stream))
@@ -334,7 +334,7 @@ class Router:
             worker.first_token(rid)
             if isinstance(first, bytes):  # not streamed: the whole answer is here
                 finish(True, "ok")
-                self.metrics.e2e.labels(job.length_class).observe(now - job.arrival)
+                self.metrics.child(self.metrics.e2e, job.length_class).observe(now - job.arrival)
                 return self._reply(path, 200, first, response_headers(resp.headers))
 
             if first.error is not None:
@@ -342,7 +342,7 @@ class Router:
                 finish(False, "failed")
                 return self._failure(worker, first.error)
             self.policy.on_first_token(job, worker, cost, now)
-            self.metrics.ttft.labels(job.length_class).observe(now - job.arrival)
+            self.metrics.child(self.metrics.ttft, job.length_class).observe(now - job.arrival)
             self.dispatcher.wake()
             return await self._stream_rest(request, path, resp, first, job, worker, finish)
         except asyncio.CancelledError:
@@ -358,32 +358,37 @@ class Router:
                                                       "Cache-Control": "no-cache"})
         try:
             await out.prepare(request)
-            await out.write(bytes(first.buffer))
+            # What has arrived already goes out in one write (with the end of the stream, when that
+            # has arrived too): one system call instead of several for a short answer.
+            pending = bytes(first.buffer) + resp.content.read_nowait()
+            ended = resp.content.at_eof()  # the whole stream is here already
             try:
-                while True:
-                    chunk = await resp.content.readany()
-                    if not chunk:
-                        break
-                    await out.write(chunk)
+                if ended:
+                    await out.write_eof(pending)
+                else:
+                    await out.write(pending)
+                    while chunk := await resp.content.readany():
+                        await out.write(chunk)
             except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     asyncio.TimeoutError) as e:
                 # The client has had tokens already: end its stream with an error, never silently.
                 log.warning("worker %s failed mid-stream: %s", worker.url, e)
                 finish(False, "failed")
                 self.metrics.stream_errors.inc()
-                self.metrics.requests.labels(path, "stream_error").inc()
+                self.metrics.child(self.metrics.requests, path, "stream_error").inc()
                 await out.write(sse_error(f"worker failed mid-stream: {type(e).__name__}"))
                 await out.write_eof()
                 return out
-            await out.write_eof()
+            if not ended:
+                await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             finish(False, "client_gone", fault=False)  # the client left; closing resp aborts the worker's request
             return out
         finally:
             resp.close()
         finish(True, "ok")
-        self.metrics.requests.labels(path, "200").inc()
-        self.metrics.e2e.labels(job.length_class).observe(self._clock() - job.arrival)
+        self.metrics.child(self.metrics.requests, path, "200").inc()
+        self.metrics.child(self.metrics.e2e, job.length_class).observe(self._clock() - job.arrival)
         return out
 
     @staticmethod
