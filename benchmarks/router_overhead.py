@@ -4,8 +4,9 @@ Setup, all on loopback: one instant backend (a fake GPU with a zero cost model a
 :mod:`plaserve.bench.fake_gpu`) in a child process; the router (``plaserve route --policy P``, one
 worker) in another child process; the client (aiohttp, one connection pool) in this process.
 
-* **latency**: requests one at a time (after a warm-up); the p50/p90/p99 of the client's request
-  time, directly and through the router; the router's added p50 is the difference of the p50s.
+* **latency**: requests one at a time (after a warm-up), alternating between the backend directly and
+  the router, so both see the same background load; the p50/p90/p99 of the client's request time each
+  way; the router's added p50 is the difference of the p50s.
 * **throughput**: ``--concurrency`` requests in flight for ``--seconds``; requests per second.
 
 Both for a non-streamed and a streamed ``/v1/completions`` (100 prompt token ids, ``max_tokens`` 1).
@@ -47,11 +48,22 @@ async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
     return time.perf_counter() - t
 
 
-async def latency(url: str, n: int, stream: bool, warmup: int) -> list[float]:
+async def latency(direct: str, routed: str, n: int, stream: bool, warmup: int) -> tuple[list[float], list[float]]:
+    """Request times directly and through the router, interleaved (alternating which goes first) so
+    that both see the same background load on the machine."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for _ in range(warmup):
-            await one(session, url, stream)
-        return [await one(session, url, stream) for _ in range(n)]
+            await one(session, direct, stream)
+            await one(session, routed, stream)
+        d, r = [], []
+        for i in range(n):
+            if i % 2:
+                d.append(await one(session, direct, stream))
+                r.append(await one(session, routed, stream))
+            else:
+                r.append(await one(session, routed, stream))
+                d.append(await one(session, direct, stream))
+        return d, r
 
 
 async def throughput(url: str, concurrency: int, seconds: float, stream: bool) -> float:
@@ -95,8 +107,7 @@ def main() -> int:
     try:
         for stream in (False, True):
             mode = "stream" if stream else "no-stream"
-            lat_d = asyncio.run(latency(direct, args.requests, stream, args.warmup))
-            lat_r = asyncio.run(latency(routed, args.requests, stream, args.warmup))
+            lat_d, lat_r = asyncio.run(latency(direct, routed, args.requests, stream, args.warmup))
             rps_d = asyncio.run(throughput(direct, args.concurrency, args.seconds, stream))
             rps_r = asyncio.run(throughput(routed, args.concurrency, args.seconds, stream))
             d, r = pct(lat_d), pct(lat_r)
