@@ -117,6 +117,7 @@ def run_policy(loaded: LoadedModel, config: EngineConfig, cost: CostModel, arriv
             if v is not None:
                 setattr(r.metrics, name, v - t0)
         r.metrics.token_times = [t - t0 for t in r.metrics.token_times]
+        r.metrics.prefill_chunks = [(s - t0, e - t0, n) for s, e, n in r.metrics.prefill_chunks]
     return PolicyRun(config.scheduler.policy, reqs, wall, busy)
 
 

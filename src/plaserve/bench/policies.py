@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
     p.add_argument("--seconds", type=float, default=None, help="length of each policy run (default 60, quick 35)")
     p.add_argument("--starvation-seconds", type=float, default=30.0)
+    p.add_argument("--starvation-only", action="store_true", help="run only the starvation check")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (1 makes timings robust to other processes on a shared machine)")
     args = p.parse_args(argv)
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         slices.append(Slice("conv", "azure_conv_2023.csv", 0, 4000, args.load or 0.35))
     policies = args.policies.split(",")
     out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
-    for s in slices:
+    for s in [] if args.starvation_only else slices:
         arrivals, time_scale = scaled_slice(s, cost, args.length_scale, s.load, max_prompt=4000, max_output=64,
                                             seconds=seconds)
         n_long = sum(a.prompt_tokens >= sched.short_threshold for a in arrivals)
