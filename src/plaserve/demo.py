@@ -64,4 +64,6 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\n=== Scheduling policies on a real trace slice (pla = ours, fcfs = vLLM default, spf = shortest first)")
     from plaserve.bench.policies import main as compare
 
-    return compare(["--quick"])
+    # One thread: the comparison times policies on the wall clock, and a single-threaded engine is far
+    # less disturbed by whatever else runs on the machine.
+    return compare(["--quick", "--threads", "1"])
