@@ -1,0 +1,66 @@
+"""Smoke test of ``benchmarks/engine_vs_hf.py``: every section runs at toy sizes and every row is there.
+
+Timings are not checked (they mean nothing at these sizes on a shared CPU); the point is that the
+acceptance benchmark keeps working as the engine changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_vs_hf.py"
+
+
+def load_script() -> ModuleType:
+    """Import the benchmark script by path (``benchmarks/`` is not a package)."""
+    spec = importlib.util.spec_from_file_location("engine_vs_hf", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_has_every_row(tmp_path: Path) -> None:
+    bench = load_script()
+    # Smaller still than --quick, to keep the test to a few seconds.
+    sizes = dataclasses.replace(bench.QUICK, prefill_lengths=(8, 16, 32), flop_length=32, peak_size=128,
+                                num_requests=3, prompt_range=(4, 16), output_range=(2, 4))
+    results = bench.run_benchmark(sizes)
+
+    assert [row["length"] for row in results["prefill"]] == [8, 16, 32]
+    for row in results["prefill"]:
+        for key in ("engine_tok_s", "forward_tok_s", "hf_tok_s", "engine_over_hf", "engine_ttft_s"):
+            assert row[key] > 0
+    flop = results["flop_rate"]
+    assert flop["length"] == 32 and flop["peak"] == max(flop["peak_before"], flop["peak_after"])
+    for system in ("engine", "forward", "hf"):
+        assert flop[f"{system}_fraction"] > 0
+    assert isinstance(flop["target_met"], bool)
+
+    mixed = results["mixed"]
+    assert set(mixed["runs"]) == {"plaserve_pla", "plaserve_fcfs", "hf_one_by_one", "hf_batched"}
+    assert mixed["best_hf"] in ("hf_one_by_one", "hf_batched")
+    for run in mixed["runs"].values():
+        assert run["wall_s"] > 0 and run["speedup_vs_best_hf"] > 0
+        assert len(run["wall_s_rounds"]) == sizes.mixed_rounds == len(run["others_cpu_s_rounds"])
+        assert run["identical_to_hf_one_by_one"] == mixed["num_requests"]  # same weights, same greedy tokens
+    # ignore_eos + min_new_tokens: every system generates exactly the requested lengths.
+    assert mixed["runs"]["plaserve_pla"]["tokens_computed"] == mixed["output_tokens"]
+    assert mixed["runs"]["hf_batched"]["tokens_computed"] >= mixed["output_tokens"]
+    assert results["model"]["logits_max_abs_diff"] < 1e-3
+
+    table = bench.format_table(results, "cmd")
+    for needle in ("| 8 |", "| 32 |", "plaserve engine", "transformers `generate`, one by one",
+                   "left-padded batches", "fraction of matmul peak"):
+        assert needle in table
+    json.dumps(results)  # what --out writes must be JSON-serialisable
