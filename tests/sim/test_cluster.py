@@ -155,3 +155,13 @@ def test_speed_smoke_trace_at_eight_instances():
     wall = time.perf_counter() - t0
     assert len(result.records) == len(requests) and all(r.ok for r in result.records)
     assert wall < result.duration_s / 10  # a generous bound: about 50x faster than real time when idle
+
+
+def test_prefix_cache_changes_nothing_for_random_prompts():
+    """The simulated engines run without the prefix cache (it only costs time): random prompts never
+    share a block, so turning it on gives the same result."""
+    requests = mix(200, rate=80.0)
+    config = ClusterConfig(instances=2, router=RouterConfig(policy="pla"))
+    off = simulate(requests, PROFILE, config)
+    on = simulate(requests, PROFILE, dataclasses.replace(config, engine_overrides={"enable_prefix_caching": True}))
+    assert outcome(off) == outcome(on)

@@ -82,7 +82,9 @@ class SimProfile:
         The engine is model-free (the simulator supplies the runner), so the KV cache is sized in tokens
         of the embedded model's float32 layout; only the token count matters to the scheduler.
         ``online_refit`` is off: simulated steps take exactly the cost model's time, there is nothing
-        to refit.
+        to refit. The prefix cache is off: simulated prompts are random token ids (as ``plaserve bench``
+        sends), so no two share a block and the cache would change no decision, only cost time (its
+        hashing is a tenth of a simulated step; tests/sim checks the results are identical).
         """
         sched = self.profile.scheduler_overrides()
         if self.max_num_batched_tokens is not None:
@@ -91,7 +93,8 @@ class SimProfile:
             sched["max_num_seqs"] = self.max_num_seqs
         kv_bytes = self.kv_tokens * DEFAULT_CONFIG.kv_bytes_per_token * 4  # float32 on the simulator's CPU
         kwargs: dict[str, Any] = dict(policy=policy, kv_cache_memory=kv_bytes, device="cpu", dtype="float32",
-                                      pad_short_batches=self.pad_short_batches, online_refit=False, **sched)
+                                      pad_short_batches=self.pad_short_batches, online_refit=False,
+                                      enable_prefix_caching=False, **sched)
         kwargs.update(overrides)
         return EngineConfig.from_kwargs(**kwargs)
 

@@ -1,0 +1,240 @@
+"""Validate the cluster simulator against real runs on this machine.
+
+    .venv/bin/python benchmarks/sim_validation.py --out /tmp/simval     # ~6 min: fits, 4 real runs, sims
+
+Run it when no other benchmark runs (``ps aux | grep -E "benchmarks/|calibrate"``): the real runs are
+wall-clock measurements on a 2-core machine.
+
+Setup, fixed before looking at results:
+
+* the embedded default model (random weights, float32, CPU); a cost model fitted on this machine at
+  the start (isolated prefills of 32..2048 tokens, the fastest of two repeats; the same quick fit as
+  benchmarks/policies.py), written as a profile with the engine's default scheduler settings. Two fits:
+  with 2 threads (one instance owns the machine) and with 1 thread (each of the cluster's two workers
+  gets one core, as ``plaserve cluster`` assigns them);
+* one slice of the Azure code trace, lengths x0.25 (prompts capped at 4000, outputs at 32 tokens),
+  arrivals compressed so the predicted prefill work fills 60 % of each instance's time over --seconds;
+* **one instance**: ``pla`` and ``fcfs`` replayed in-process on the wall clock
+  (:func:`plaserve.bench.offline.run_policy`), against ``plaserve simulate``'s loop with one instance
+  (router round_robin, which never holds a request, so it is a pass-through);
+* **two workers**: ``plaserve cluster --workers 2`` (workers run pla) behind the router with policy
+  ``pla`` and ``round_robin``, driven by ``plaserve bench`` (HTTP, streaming), against the simulator
+  with 2 instances and the same router policy;
+* the same requests, profile and policies on both sides; the comparison is TTFT p50 and p90 over all
+  requests, target: within 15 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from plaserve.bench.offline import SloRule, fit_cost_model, run_policy, to_record  # noqa: E402
+from plaserve.bench.trace import TraceRequest, load_trace  # noqa: E402
+from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
+from plaserve.cost import CostModel  # noqa: E402
+from plaserve.engine.engine import LLMEngine  # noqa: E402
+from plaserve.model.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
+from plaserve.profile import Profile, fingerprint  # noqa: E402
+from plaserve.router.config import RouterConfig  # noqa: E402
+from plaserve.sim.cluster import ClusterConfig, simulate  # noqa: E402
+from plaserve.sim.profiles import calibrated_profile  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PLASERVE = [sys.executable, "-m", "plaserve.cli"]
+TRACE = os.path.normpath(os.path.join(ROOT, "..", "shared", "traces", "azure_code_2023.csv"))
+LENGTH_SCALE, MAX_PROMPT, MAX_OUTPUT = 0.25, 4000, 32
+TARGET = 0.15
+
+
+def fit_profile(loaded, threads: int, path: str) -> CostModel:
+    """Fit the cost model with ``threads`` torch threads and save it as a profile (default settings)."""
+    torch.set_num_threads(threads)
+    engine = LLMEngine(EngineConfig(kv_cache_memory="1GiB", max_model_len=4096,
+                                    scheduler=SchedulerConfig(policy="fcfs")), loaded=loaded)
+    cost = fit_cost_model(engine, lengths=(32, 128, 512, 1024, 2048), repeats=2)
+    s = SchedulerConfig()
+    Profile(cost, s.short_threshold, s.max_short_batch, s.long_chunk_size, s.w_min, s.w_max,
+            fingerprint=fingerprint(engine.model_config, engine.dtype, engine.device),
+            fit={"method": "benchmarks/sim_validation.py quick fit"}).save(path)
+    print(f"  {threads} thread(s): c0={cost.c0 * 1e3:.2f} ms g1={cost.g1 * 1e6:.1f} us/token "
+          f"g2={cost.g2 * 1e9:.2f} ns/pair -> {path}", flush=True)
+    return CostModel(cost.g1, cost.g2, cost.g3, cost.c0, source="profile")
+
+
+def trace_slice(cost: CostModel, load: float, seconds: float) -> tuple[list[TraceRequest], float]:
+    """The first trace rows whose predicted prefill work is ``load * seconds``, lengths scaled, arrivals
+    compressed to span ``seconds``. Returns the requests and the time scale (for ``plaserve bench``)."""
+    reqs = load_trace(TRACE, limit=2000, length_scale=LENGTH_SCALE, max_prompt_tokens=MAX_PROMPT,
+                      max_output_tokens=MAX_OUTPUT)
+    work, n = 0.0, 0
+    while n < len(reqs) and work < load * seconds:
+        work += cost.prefill_time(reqs[n].prompt_tokens)
+        n += 1
+    time_scale = seconds / (reqs[n - 1].arrival or 1.0)
+    return [TraceRequest(r.arrival * time_scale, r.prompt_tokens, r.output_tokens) for r in reqs[:n]], time_scale
+
+
+def ttft_pcts(ttfts_s: list[float]) -> tuple[float, float]:
+    ms = np.array(ttfts_s) * 1000
+    return float(np.percentile(ms, 50)), float(np.percentile(ms, 90))
+
+
+def sim_ttfts(requests, profile_path: str, instances: int, scheduler: str, router: str) -> tuple[list[float], dict]:
+    profile = calibrated_profile(profile_path)
+    result = simulate(requests, profile, ClusterConfig(instances=instances, scheduler=scheduler,
+                                                       router=RouterConfig(policy=router)))
+    ttfts = [r.ttft for r in result.records if r.ttft is not None]
+    return ttfts, {"busy_s": [s.busy_s for s in result.instances], "duration_s": result.duration_s,
+                   "errors": sum(not r.ok for r in result.records)}
+
+
+def single_instance(loaded, profile_path: str, cost: CostModel, seconds: float) -> list[dict]:
+    torch.set_num_threads(2)
+    requests, time_scale = trace_slice(cost, 0.6, seconds)
+    print(f"\n== one instance: {len(requests)} requests over {requests[-1].arrival:.0f} s "
+          f"(arrivals x{time_scale:.4f})", flush=True)
+    rows = []
+    for policy in ("pla", "fcfs"):
+        config = EngineConfig(kv_cache_memory="2GiB", profile=profile_path, scheduler=SchedulerConfig(policy=policy))
+        run = run_policy(loaded, config, cost, requests)
+        real = [to_record(r, SloRule(), cost) for r in run.requests]
+        real_ttfts = [r.ttft for r in real if r.ttft is not None]
+        sim, extra = sim_ttfts(requests, profile_path, 1, policy, "round_robin")
+        rows.append(row("1 instance (in-process)", policy, "-", real_ttfts, sim, run.busy_s / run.wall_s,
+                        extra["busy_s"][0] / extra["duration_s"], len(requests)))
+    return rows
+
+
+def row(setup: str, scheduler: str, router: str, real: list[float], sim: list[float], real_util: float | None,
+        sim_util: float, n: int) -> dict:
+    (r50, r90), (s50, s90) = ttft_pcts(real), ttft_pcts(sim)
+    out = {"setup": setup, "scheduler": scheduler, "router": router, "n": n, "real_n": len(real),
+           "sim_n": len(sim), "real_p50": r50, "sim_p50": s50, "real_p90": r90, "sim_p90": s90,
+           "err_p50": (s50 - r50) / r50, "err_p90": (s90 - r90) / r90, "real_util": real_util, "sim_util": sim_util}
+    print(f"  {scheduler}/{router}: TTFT p50 real {r50:.0f} ms sim {s50:.0f} ms ({out['err_p50'] * 100:+.0f}%), "
+          f"p90 real {r90:.0f} ms sim {s90:.0f} ms ({out['err_p90'] * 100:+.0f}%)", flush=True)
+    return out
+
+
+def start_cluster(router: str, profile_path: str, port: int, log_path: str) -> subprocess.Popen:
+    """``plaserve cluster --workers 2`` in its own process group; returns once the router is up."""
+    cmd = PLASERVE + ["cluster", "--workers", "2", "--worker-policy", "pla", "--policy", router, "--port", str(port),
+                      "--profile", profile_path, "--worker-args", f"--profile {profile_path}"]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+    import httpx
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"plaserve cluster exited; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/workers", timeout=2).status_code == 200:
+                workers = httpx.get(f"http://127.0.0.1:{port}/workers", timeout=2).json()["workers"]
+                if workers and all(w["available"] for w in workers):
+                    return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"plaserve cluster did not come up; see {log_path}")
+
+
+def stop_cluster(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def two_workers(profile_path: str, cost: CostModel, seconds: float, out: str, port: int) -> list[dict]:
+    # Each worker has one core: two instances take twice one worker's 60 % of predicted prefill work.
+    requests, time_scale = trace_slice(cost, 1.2, seconds)
+    n = len(requests)
+    print(f"\n== two workers behind the router: {n} requests over {requests[-1].arrival:.0f} s "
+          f"(arrivals x{time_scale:.4f})", flush=True)
+    # Exactly the requests `plaserve bench` will send (it reads the same rows with the same scaling).
+    same = load_trace(TRACE, limit=n, time_scale=time_scale,
+                      length_scale=LENGTH_SCALE, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
+    assert [(r.prompt_tokens, r.output_tokens) for r in same] == [(r.prompt_tokens, r.output_tokens) for r in requests]
+    rows = []
+    for router in ("pla", "round_robin"):
+        bench_out = os.path.join(out, f"cluster_{router}")
+        proc = start_cluster(router, profile_path, port, os.path.join(out, f"cluster_{router}.log"))
+        try:
+            subprocess.run(PLASERVE + ["bench", "--url", f"http://127.0.0.1:{port}", "--trace", TRACE,
+                                       "--num-requests", str(n), "--time-scale",
+                                       repr(time_scale), "--length-scale", str(LENGTH_SCALE), "--max-prompt-tokens",
+                                       str(MAX_PROMPT), "--max-output-tokens", str(MAX_OUTPUT), "--out", bench_out,
+                                       "--no-plots"], check=True, cwd=ROOT,
+                           env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+        finally:
+            stop_cluster(proc)
+        with open(os.path.join(bench_out, "requests.jsonl")) as f:
+            real = [json.loads(line) for line in f]
+        real_ttfts = [r["ttft"] for r in real if r["ttft"] is not None and r["error"] is None]
+        sim, extra = sim_ttfts(same, profile_path, 2, "pla", router)
+        rows.append(row("2 workers + router (HTTP)", "pla", router, real_ttfts, sim, None,
+                        sum(extra["busy_s"]) / 2 / extra["duration_s"], n))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| setup | scheduler | router | n | TTFT p50 real | sim | error | TTFT p90 real | sim | error | "
+             "within 15 % |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = abs(r["err_p50"]) <= TARGET and abs(r["err_p90"]) <= TARGET
+        lines.append(f"| {r['setup']} | {r['scheduler']} | {r['router']} | {r['n']} | {r['real_p50']:.0f} ms | "
+                     f"{r['sim_p50']:.0f} ms | {r['err_p50'] * 100:+.0f}% | {r['real_p90']:.0f} ms | "
+                     f"{r['sim_p90']:.0f} ms | {r['err_p90'] * 100:+.0f}% | {'yes' if ok else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=45.0, help="length of each real run")
+    p.add_argument("--out", default="/tmp/sim_validation")
+    p.add_argument("--port", type=int, default=31000)
+    p.add_argument("--only", choices=("single", "cluster"), default=None)
+    args = p.parse_args(argv)
+    logging.getLogger("plaserve").setLevel(logging.ERROR)
+    os.makedirs(args.out, exist_ok=True)
+    device = resolve_device("auto")
+    loaded = load_model(None, resolve_dtype("auto", device), device)
+    print("model: embedded default (RANDOM WEIGHTS), float32 on", device)
+    print("fitting cost models on this machine ...", flush=True)
+    rows = []
+    if args.only in (None, "single"):
+        p2 = os.path.join(args.out, "profile_2threads.json")
+        rows += single_instance(loaded, p2, fit_profile(loaded, 2, p2), args.seconds)
+    if args.only in (None, "cluster"):
+        p1 = os.path.join(args.out, "profile_1thread.json")
+        cost1 = fit_profile(loaded, 1, p1)
+        torch.set_num_threads(2)
+        rows += two_workers(p1, cost1, args.seconds, args.out, args.port)
+    text = table(rows)
+    print("\n" + text)
+    with open(os.path.join(args.out, "sim_validation.json"), "w") as f:
+        json.dump({"rows": rows, "table": text, "seconds": args.seconds}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    code = main()
+    print(f"\n(total {time.time() - t0:.0f} s)")
+    sys.exit(code)
