@@ -1,9 +1,23 @@
-"""plaserve: a prefill-length-aware LLM serving system."""
+"""plaserve: a prefill-length-aware LLM serving system.
 
-from plaserve.config import EngineConfig
-from plaserve.engine.engine import LLMEngine
-from plaserve.engine.llm import LLM
-from plaserve.engine.request import RequestOutput, SamplingParams
+The public names are imported lazily, so tools that need no model (the router, the load generator,
+the simulator) start without loading torch.
+"""
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SchedulerConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+_WHERE = {"LLM": "plaserve.engine.llm", "LLMEngine": "plaserve.engine.engine", "EngineConfig": "plaserve.config",
+          "SchedulerConfig": "plaserve.config", "RequestOutput": "plaserve.engine.request",
+          "SamplingParams": "plaserve.engine.request"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'plaserve' has no attribute {name!r}")

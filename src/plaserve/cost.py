@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from plaserve.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ class CostModel:
         return cls(g1=linear / rate, g2=pair / rate, source="flops")
 
 
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int = 1024, seconds: float = 0.2) -> float:
+def measure_peak_flops(device: "torch.device", dtype: "torch.dtype", size: int = 1024, seconds: float = 0.2) -> float:
     """FLOP/s of a square matmul on ``device``: the peak that FLOP-based estimates are scaled by."""
+    import torch  # here, so that the router and simulator import this module without torch
+
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up
