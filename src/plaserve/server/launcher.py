@@ -1,4 +1,5 @@
-"""Run ``plaserve serve`` as a child process: start it, wait until it is healthy, stop it.
+"""Run ``plaserve serve`` (or another long-running subcommand) as a child process: start it, wait until
+it is healthy, stop it.
 
 For tests and benchmark scripts that need a real server on a real port (e.g. one per policy, to compare
 them with ``plaserve bench``).
@@ -26,12 +27,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``python -m plaserve.cli serve ARGS --port PORT`` in a child process (use as a context manager).
+class PlaserveProcess:
+    """``python -m plaserve.cli SUBCOMMAND ARGS --host HOST --port PORT`` in a child process (use as a
+    context manager), ready once its ``/health`` answers 200.
 
     The child's output goes to a temporary log file (a pipe nobody reads could fill and block it);
     :meth:`log` returns it, and a failed start raises with its tail.
     """
+
+    subcommand = "serve"
 
     def __init__(self, args: list[str], *, host: str = "127.0.0.1", port: int | None = None,
                  env: dict[str, str] | None = None, startup_timeout: float = 120.0) -> None:
@@ -41,24 +45,26 @@ class ServerProcess:
         self.env = env
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="plaserve-serve-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix=f"plaserve-{self.subcommand}-", suffix=".log", delete=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "ServerProcess":
+    def start(self) -> "PlaserveProcess":
         """Launch the server and block until ``/health`` answers 200."""
         env = dict(os.environ if self.env is None else self.env)
         # The child must import this same plaserve, installed or not.
         src = str(Path(plaserve.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "plaserve.cli", "serve", *self.args, "--host", self.host, "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "plaserve.cli", self.subcommand, *self.args, "--host", self.host,
+               "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"plaserve serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(f"plaserve {self.subcommand} exited with {self.proc.returncode}:\n"
+                                   f"{self.log()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -66,7 +72,7 @@ class ServerProcess:
                 pass
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"plaserve serve did not become healthy in {self.startup_timeout:.0f} s:\n"
+        raise RuntimeError(f"plaserve {self.subcommand} did not become healthy in {self.startup_timeout:.0f} s:\n"
                            f"{self.log()[-4000:]}")
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -88,8 +94,14 @@ class ServerProcess:
         with open(self._log.name, errors="replace") as f:
             return f.read()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> "PlaserveProcess":
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess(PlaserveProcess):
+    """``plaserve serve ARGS`` as a child process."""
+
+    subcommand = "serve"
