@@ -72,6 +72,7 @@ class Sizes:
     quiet_wait_s: float = 30.0
     quiet_budget_s: float = 300.0
     prefill_retries: int = 2
+    mixed_retries: int = 2  # extra mixed-workload runs (in all) for systems whose every run was contended
     seed: int = 0
     # Engine sizing: the KV cache must hold max_model_len tokens; the default engine settings
     # (max_model_len 16384, 2 GiB of KV on CPU) are what the full run uses.
@@ -83,7 +84,8 @@ FULL = Sizes()
 # A smoke-test run: every row of the full run at toy sizes (seconds, not minutes).
 QUICK = Sizes(prefill_lengths=(16, 32, 64), prefill_reps=1, flop_length=64, flop_reps=1, peak_size=256,
               peak_reps=2, logits_check_length=32, num_requests=4, prompt_range=(4, 40), output_range=(2, 6),
-              hf_batch_size=2, mixed_rounds=1, quiet_wait_s=0.0, prefill_retries=0, max_model_len=256,
+              hf_batch_size=2, mixed_rounds=1, quiet_wait_s=0.0, prefill_retries=0, mixed_retries=0,
+              max_model_len=256,
               kv_cache_memory="16MiB")
 
 
@@ -488,17 +490,26 @@ def mixed_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> dict[st
     log(f"mixed workload: {len(jobs)} requests, {sum(len(j.prompt) for j in jobs)} prompt tokens, "
         f"{wanted} output tokens, {sizes.mixed_rounds} round(s)")
     runs: dict[str, list[RunResult]] = {name: [] for name in MIXED_SYSTEMS}
+
+    def run(name: str, label: str) -> None:
+        log(f"{label}: {name} ...")
+        r = run_mixed_system(name, sizes, hf, jobs, gate)
+        lengths = [len(o) for o in r.outputs]
+        if lengths != [j.max_tokens for j in jobs]:
+            raise RuntimeError(f"{name} produced output lengths {lengths}")
+        log(f"{label}: {name} {r.wall_s:.1f} s (other processes used {_secs(r.others_cpu_s)} CPU s)")
+        runs[name].append(r)
+
     for rnd in range(sizes.mixed_rounds):
         k = rnd % len(MIXED_SYSTEMS)
         for name in MIXED_SYSTEMS[k:] + MIXED_SYSTEMS[:k]:
-            log(f"round {rnd + 1}/{sizes.mixed_rounds}: {name} ...")
-            r = run_mixed_system(name, sizes, hf, jobs, gate)
-            lengths = [len(o) for o in r.outputs]
-            if lengths != [j.max_tokens for j in jobs]:
-                raise RuntimeError(f"{name} produced output lengths {lengths}")
-            others = "?" if r.others_cpu_s is None else f"{r.others_cpu_s:.1f}"
-            log(f"round {rnd + 1}/{sizes.mixed_rounds}: {name} {r.wall_s:.1f} s (other processes used {others} CPU s)")
-            runs[name].append(r)
+            run(name, f"round {rnd + 1}/{sizes.mixed_rounds}")
+    # A system none of whose runs was clean gets another chance, cheapest systems first.
+    retries = sizes.mixed_retries
+    for name in sorted(MIXED_SYSTEMS, key=lambda n: min(r.wall_s for r in runs[n])):
+        while retries > 0 and all(QuietGate.contended(r.others_cpu_s, r.wall_s) for r in runs[name]):
+            retries -= 1
+            run(name, "extra run (every run so far was contended)")
 
     best = {name: min(rs, key=lambda r: r.wall_s) for name, rs in runs.items()}
     best_hf = min(("hf_one_by_one", "hf_batched"), key=lambda k: best[k].wall_s)
@@ -513,8 +524,9 @@ def mixed_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> dict[st
         same, prefix = agreement(r.outputs, reference)
         result["runs"][name] = {
             "wall_s": r.wall_s, "cpu_s": r.cpu_s, "others_cpu_s": r.others_cpu_s,
-            "wall_s_rounds": [x.wall_s for x in runs[name]],
-            "others_cpu_s_rounds": [x.others_cpu_s for x in runs[name]],
+            "wall_s_runs": [x.wall_s for x in runs[name]],
+            "others_cpu_s_runs": [x.others_cpu_s for x in runs[name]],
+            "contended": QuietGate.contended(r.others_cpu_s, r.wall_s),
             "tokens_computed": r.tokens_computed, "output_tok_s": wanted / r.wall_s,
             "identical_to_hf_one_by_one": same, "token_agreement_with_hf_one_by_one": prefix,
             "speedup_vs_best_hf": best[best_hf].wall_s / r.wall_s}
@@ -634,25 +646,27 @@ def format_table(r: dict[str, Any], command: str = "") -> str:
                f"{r['sizes']['prompt_range'][1]} tokens ({mx['prompt_tokens']} in all), outputs "
                f"{r['sizes']['output_range'][0]}-{r['sizes']['output_range'][1]} tokens ({mx['output_tokens']} in "
                f"all), seeded; greedy, `ignore_eos`, every output exactly its length; all requests submitted at "
-               f"once; {mx['rounds']} round(s), every system once per round (order rotating), best round shown")
+               f"once; {mx['rounds']} round(s), every system once per round (order rotating), then up to "
+               f"{r['sizes']['mixed_retries']} extra runs for systems none of whose runs was clean; best run shown")
     out.append("")
-    out.append("| system | wall s (best) | wall s, each round | other processes' CPU s, each round | "
+    out.append("| system | wall s (best) | wall s, each run | other processes' CPU s, each run | "
                "tokens generated | output tokens/s | identical outputs vs transformers one by one | "
-               "speedup vs best transformers |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+               "speedup vs best transformers | best run contended |")
+    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     labels = {"plaserve_pla": "plaserve, policy pla (default)", "plaserve_fcfs": "plaserve, policy fcfs",
               "hf_one_by_one": "transformers `generate`, one by one",
               "hf_batched": f"transformers `generate`, left-padded batches of {bs}"}
     for key, label in labels.items():
         run = mx["runs"][key]
-        rounds = ", ".join(f"{w:.1f}" for w in run["wall_s_rounds"])
-        others = ", ".join(_secs(o) for o in run["others_cpu_s_rounds"])
+        rounds = ", ".join(f"{w:.1f}" for w in run["wall_s_runs"])
+        others = ", ".join(_secs(o) for o in run["others_cpu_s_runs"])
         out.append(f"| {label} | {run['wall_s']:.1f} | {rounds} | {others} | {run['tokens_computed']} | "
                    f"{run['output_tok_s']:.1f} | {run['identical_to_hf_one_by_one']}/{mx['num_requests']} | "
-                   f"{run['speedup_vs_best_hf']:.2f}x |")
+                   f"{run['speedup_vs_best_hf']:.2f}x | {'yes' if run['contended'] else 'no'} |")
     out.append("")
     out.append(f"Tokens generated counts padded-batch waste: each batch of {bs} generates its longest output for "
-               f"every row. Best transformers run: {labels[mx['best_hf']]}.")
+               f"every row. Best transformers run: {labels[mx['best_hf']]}. A run is contended when other processes "
+               f"used over a tenth of a core meanwhile.")
     out.append(f"Target: plaserve >= {TARGET_SPEEDUP:.0f}x faster than the better transformers run: "
                f"pla **{'met' if mx['target_met_pla'] else 'NOT met'}** "
                f"({mx['runs']['plaserve_pla']['speedup_vs_best_hf']:.2f}x), fcfs "
