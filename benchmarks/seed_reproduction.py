@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{pr.long_chunk_size}, max short batch {pr.max_short_batch}, W {pr.w_min * 1e3:.1f}-{pr.w_max * 1e3:.1f} ms, "
           f"KV {profile.kv_tokens} tokens", flush=True)
     router_defaults = RouterConfig()
+    started_at = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     rows: list[dict] = []
     for trace in args.traces.split(","):
         for inst in (int(x) for x in args.instances.split(",")):
@@ -163,13 +165,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 with open(os.path.join(args.out, "seed_reproduction.json"), "w") as f:
                     json.dump({"profile": profile.describe(), "router_config": repr(router_defaults),
-                               "target": args.target, "load": args.load, "rows": rows}, f, indent=1)
+                               "target": args.target, "load": args.load, "commit": started_at, "rows": rows}, f, indent=1)
     text = table(rows) + "\n\n" + claims(rows)
     print("\n" + text)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     with open(os.path.join(args.out, "seed_reproduction.md"), "w") as f:
-        f.write(f"ANALYTIC profile {profile.label} (short threshold {pr.short_threshold}), load x{args.load:g}, "
+        f.write(f"ANALYTIC profile {profile.label}, short threshold {pr.short_threshold}, load x{args.load:g}, "
                 f"commit {commit}\n\n{text}\n")
     return 0
 

@@ -9,9 +9,10 @@ Setup, fixed before looking at results:
 
 * the embedded default model (random weights, float32, CPU); a cost model fitted on this machine at
   the start (isolated prefills of 32..2048 tokens, the fastest of two repeats; the same quick fit as
-  benchmarks/policies.py), written as a profile with the engine's default scheduler settings. Two fits:
-  with 2 threads (one instance owns the machine) and with 1 thread (each of the cluster's two workers
-  gets one core, as ``plaserve cluster`` assigns them);
+  benchmarks/policies.py), written as a profile with the engine's default scheduler settings. Every
+  engine runs one thread: each of the cluster's two workers gets one core (as ``plaserve cluster``
+  assigns them), and a single instance with one thread is far less disturbed by other processes on
+  this shared machine than a 2-thread one (OpenMP threads wait on each other; docs/POLICIES.md);
 * one slice of the Azure code trace, lengths x0.25 (prompts capped at 4000, outputs at 32 tokens),
   arrivals compressed so the predicted prefill work fills 60 % of each instance's time over --seconds;
 * **one instance**: ``pla`` and ``fcfs`` replayed in-process on the wall clock
@@ -101,7 +102,6 @@ def sim_ttfts(requests, profile_path: str, instances: int, scheduler: str, route
 
 
 def single_instance(loaded, profile_path: str, cost: CostModel, seconds: float) -> list[dict]:
-    torch.set_num_threads(2)
     requests, time_scale = trace_slice(cost, 0.6, seconds)
     print(f"\n== one instance: {len(requests)} requests over {requests[-1].arrival:.0f} s "
           f"(arrivals x{time_scale:.4f})", flush=True)
@@ -218,13 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     print("model: embedded default (RANDOM WEIGHTS), float32 on", device)
     print("fitting cost models on this machine ...", flush=True)
     rows = []
+    p1 = os.path.join(args.out, "profile_1thread.json")
+    cost1 = fit_profile(loaded, 1, p1)
     if args.only in (None, "single"):
-        p2 = os.path.join(args.out, "profile_2threads.json")
-        rows += single_instance(loaded, p2, fit_profile(loaded, 2, p2), args.seconds)
+        rows += single_instance(loaded, p1, cost1, args.seconds)
     if args.only in (None, "cluster"):
-        p1 = os.path.join(args.out, "profile_1thread.json")
-        cost1 = fit_profile(loaded, 1, p1)
-        torch.set_num_threads(2)
         rows += two_workers(p1, cost1, args.seconds, args.out, args.port)
     text = table(rows)
     print("\n" + text)

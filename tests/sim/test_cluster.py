@@ -146,9 +146,9 @@ def test_cluster_throughput_scales_with_instances():
 
 
 def test_speed_smoke_trace_at_eight_instances():
-    """Two minutes of the conversation trace at 8 instances simulate much faster than real time (the
+    """A minute of the conversation trace at 8 instances simulates much faster than real time (the
     issue's target, the whole hour in under 60 s, is measured in benchmarks/seed_reproduction.py)."""
-    requests = [r for r in load_trace(TRACE) if r.arrival < 120]
+    requests = [r for r in load_trace(TRACE) if r.arrival < 60]
     t0 = time.perf_counter()
     result = simulate(requests, analytic_profile("qwen2.5-32b", "H100"),
                       ClusterConfig(instances=8, router=RouterConfig(policy="pla")))
