@@ -1,6 +1,6 @@
 """Validate the cluster simulator against real runs on this machine.
 
-    .venv/bin/python benchmarks/sim_validation.py --out /tmp/simval     # ~6 min: fits, 4 real runs, sims
+    .venv/bin/python benchmarks/sim_validation.py --out /tmp/simval     # ~8 min: fits, warm-up, 4 real runs, sims
 
 Run it when no other benchmark runs (``ps aux | grep -E "benchmarks/|calibrate"``): the real runs are
 wall-clock measurements on a 2-core machine.
@@ -23,6 +23,16 @@ Setup, fixed before looking at results:
   with 2 instances and the same router policy;
 * the same requests, profile and policies on both sides; the comparison is TTFT p50 and p90 over all
   requests, target: within 15 %.
+
+Diagnostics (where the error comes from; not part of the validation proper):
+
+* every real in-process step is timed against the profile's prediction for its batch, by kind
+  (prefill only, decodes only, mixed);
+* a *step-fitted* profile: the cost model refitted (the engine's own online-refit code) on every step
+  of a warm-up replay of other trace rows (decode and mixed steps included), and the simulation rerun
+  with it: what the simulator gives when the cost model describes the steps it will see;
+* after each cluster run, the cost model each worker refitted online during the run (from its
+  prefill-only steps, ``GET /load``): how much slower prefill ran inside the cluster than in the fit.
 """
 
 from __future__ import annotations
@@ -44,8 +54,9 @@ import torch  # noqa: E402
 from plaserve.bench.offline import SloRule, fit_cost_model, run_policy, to_record  # noqa: E402
 from plaserve.bench.trace import TraceRequest, load_trace  # noqa: E402
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
-from plaserve.cost import CostModel  # noqa: E402
-from plaserve.engine.engine import LLMEngine  # noqa: E402
+from plaserve.cost import CostModel, OnlineCostModel  # noqa: E402
+from plaserve.engine.engine import LLMEngine, batch_work  # noqa: E402
+from plaserve.engine.runner import ModelRunner  # noqa: E402
 from plaserve.model.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
 from plaserve.profile import Profile, fingerprint  # noqa: E402
 from plaserve.router.config import RouterConfig  # noqa: E402
@@ -74,10 +85,10 @@ def fit_profile(loaded, threads: int, path: str) -> CostModel:
     return CostModel(cost.g1, cost.g2, cost.g3, cost.c0, source="profile")
 
 
-def trace_slice(cost: CostModel, load: float, seconds: float) -> tuple[list[TraceRequest], float]:
-    """The first trace rows whose predicted prefill work is ``load * seconds``, lengths scaled, arrivals
-    compressed to span ``seconds``. Returns the requests and the time scale (for ``plaserve bench``)."""
-    reqs = load_trace(TRACE, limit=2000, length_scale=LENGTH_SCALE, max_prompt_tokens=MAX_PROMPT,
+def trace_slice(cost: CostModel, load: float, seconds: float, start: int = 0) -> tuple[list[TraceRequest], float]:
+    """The trace rows from ``start`` whose predicted prefill work is ``load * seconds``, lengths scaled,
+    arrivals compressed to span ``seconds``. Returns the requests and the time scale (for ``plaserve bench``)."""
+    reqs = load_trace(TRACE, start=start, limit=2000, length_scale=LENGTH_SCALE, max_prompt_tokens=MAX_PROMPT,
                       max_output_tokens=MAX_OUTPUT)
     work, n = 0.0, 0
     while n < len(reqs) and work < load * seconds:
@@ -85,6 +96,64 @@ def trace_slice(cost: CostModel, load: float, seconds: float) -> tuple[list[Trac
         n += 1
     time_scale = seconds / (reqs[n - 1].arrival or 1.0)
     return [TraceRequest(r.arrival * time_scale, r.prompt_tokens, r.output_tokens) for r in reqs[:n]], time_scale
+
+
+class StepLog:
+    """Times every real batch (``ModelRunner.execute``) while active: (work, kind, seconds)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[list[tuple[int, int]], str, float]] = []
+        self.active = False
+        inner = ModelRunner.execute
+        log = self
+
+        def timed(runner, batch):
+            if not log.active:
+                return inner(runner, batch)
+            work = batch_work(batch)
+            start = time.perf_counter()
+            out = inner(runner, batch)
+            took = time.perf_counter() - start
+            decodes = sum(n == 1 for n, _ in work)
+            kind = "decode" if decodes == len(work) else "prefill" if decodes == 0 else "mixed"
+            log.steps.append((work, kind, took))
+            return out
+        ModelRunner.execute = timed
+
+    def take(self) -> list[tuple[list[tuple[int, int]], str, float]]:
+        steps, self.steps = self.steps, []
+        return steps
+
+
+def step_errors(steps, cost: CostModel) -> dict[str, dict[str, float]]:
+    """Per kind of step: count, measured and predicted seconds in total, and their ratio."""
+    out: dict[str, dict[str, float]] = {}
+    for work, kind, took in steps:
+        d = out.setdefault(kind, {"steps": 0, "real_s": 0.0, "pred_s": 0.0})
+        d["steps"] += 1
+        d["real_s"] += took
+        d["pred_s"] += cost.batch_time(work)
+    for d in out.values():
+        d["real_over_pred"] = d["real_s"] / d["pred_s"]
+    return out
+
+
+def step_fit(steps, initial: CostModel) -> CostModel:
+    """The cost model refitted on these steps by the engine's online-refit code (all kinds)."""
+    online = OnlineCostModel(initial, window=len(steps), refit_every=10**9, min_samples=1)
+    for work, _, took in steps:
+        online.observe(work, took)
+    online.refit()
+    m = online.model
+    return CostModel(m.g1, m.g2, m.g3, m.c0, source="step-fit")
+
+
+def save_profile(cost: CostModel, like: str, path: str) -> str:
+    """``like``'s profile with ``cost`` as its cost model."""
+    import dataclasses
+
+    dataclasses.replace(Profile.load(like), cost_model=cost).save(path)
+    return path
 
 
 def ttft_pcts(ttfts_s: list[float]) -> tuple[float, float]:
@@ -101,20 +170,46 @@ def sim_ttfts(requests, profile_path: str, instances: int, scheduler: str, route
                    "errors": sum(not r.ok for r in result.records)}
 
 
-def single_instance(loaded, profile_path: str, cost: CostModel, seconds: float) -> list[dict]:
+def warm_up_fit(loaded, profile_path: str, cost: CostModel, seconds: float, log: StepLog, out: str) -> str:
+    """Replay other trace rows (from row 1000) with fcfs and pla, time every step, refit; the profile path."""
+    requests, _ = trace_slice(cost, 0.6, seconds, start=1000)
+    log.active = True
+    for policy in ("fcfs", "pla"):
+        config = EngineConfig(kv_cache_memory="2GiB", profile=profile_path, scheduler=SchedulerConfig(policy=policy))
+        run_policy(loaded, config, cost, requests)
+    log.active = False
+    fitted = step_fit(log.take(), cost)
+    print(f"  step-fitted on a warm-up replay ({len(requests)} requests x 2 policies): c0={fitted.c0 * 1e3:.2f} ms "
+          f"g1={fitted.g1 * 1e6:.1f} us/token g2={fitted.g2 * 1e9:.2f} ns/pair g3={fitted.g3 * 1e6:.2f} us",
+          flush=True)
+    return save_profile(fitted, profile_path, os.path.join(out, "profile_stepfit.json"))
+
+
+def single_instance(loaded, profile_path: str, cost: CostModel, seconds: float, log: StepLog,
+                    stepfit_path: str | None) -> tuple[list[dict], list[dict]]:
     requests, time_scale = trace_slice(cost, 0.6, seconds)
     print(f"\n== one instance: {len(requests)} requests over {requests[-1].arrival:.0f} s "
           f"(arrivals x{time_scale:.4f})", flush=True)
-    rows = []
+    rows, diag = [], []
     for policy in ("pla", "fcfs"):
         config = EngineConfig(kv_cache_memory="2GiB", profile=profile_path, scheduler=SchedulerConfig(policy=policy))
+        log.active = True
         run = run_policy(loaded, config, cost, requests)
+        log.active = False
+        errors = step_errors(log.take(), cost)
+        print("  steps, measured / predicted: " + ", ".join(
+            f"{k} {v['real_over_pred']:.2f} (n={v['steps']})" for k, v in errors.items()), flush=True)
         real = [to_record(r, SloRule(), cost) for r in run.requests]
         real_ttfts = [r.ttft for r in real if r.ttft is not None]
         sim, extra = sim_ttfts(requests, profile_path, 1, policy, "round_robin")
         rows.append(row("1 instance (in-process)", policy, "-", real_ttfts, sim, run.busy_s / run.wall_s,
                         extra["busy_s"][0] / extra["duration_s"], len(requests)))
-    return rows
+        rows[-1]["step_errors"] = errors
+        if stepfit_path is not None:
+            sim2, extra2 = sim_ttfts(requests, stepfit_path, 1, policy, "round_robin")
+            diag.append(row("1 instance, step-fitted profile", policy, "-", real_ttfts, sim2, None,
+                            extra2["busy_s"][0] / extra2["duration_s"], len(requests)))
+    return rows, diag
 
 
 def row(setup: str, scheduler: str, router: str, real: list[float], sim: list[float], real_util: float | None,
@@ -161,7 +256,19 @@ def stop_cluster(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def two_workers(profile_path: str, cost: CostModel, seconds: float, out: str, port: int) -> list[dict]:
+def worker_cost_models(port: int) -> list[CostModel]:
+    """The cost model each worker behind the router reports now (refitted online during the run)."""
+    import httpx
+
+    models = []
+    for w in httpx.get(f"http://127.0.0.1:{port}/workers", timeout=5).json()["workers"]:
+        c = httpx.get(w["url"] + "/load", timeout=5).json()["cost_model"]
+        models.append(CostModel(c["g1"], c["g2"], c.get("g3", 0.0), c.get("c0", 0.0), source=c.get("source", "?")))
+    return models
+
+
+def two_workers(profile_path: str, cost: CostModel, seconds: float, out: str, port: int,
+                stepfit_path: str | None) -> tuple[list[dict], list[dict]]:
     # Each worker has one core: two instances take twice one worker's 60 % of predicted prefill work.
     requests, time_scale = trace_slice(cost, 1.2, seconds)
     n = len(requests)
@@ -171,7 +278,7 @@ def two_workers(profile_path: str, cost: CostModel, seconds: float, out: str, po
     same = load_trace(TRACE, limit=n, time_scale=time_scale,
                       length_scale=LENGTH_SCALE, max_prompt_tokens=MAX_PROMPT, max_output_tokens=MAX_OUTPUT)
     assert [(r.prompt_tokens, r.output_tokens) for r in same] == [(r.prompt_tokens, r.output_tokens) for r in requests]
-    rows = []
+    rows, diag = [], []
     for router in ("pla", "round_robin"):
         bench_out = os.path.join(out, f"cluster_{router}")
         proc = start_cluster(router, profile_path, port, os.path.join(out, f"cluster_{router}.log"))
@@ -180,8 +287,9 @@ def two_workers(profile_path: str, cost: CostModel, seconds: float, out: str, po
                                        "--num-requests", str(n), "--time-scale",
                                        repr(time_scale), "--length-scale", str(LENGTH_SCALE), "--max-prompt-tokens",
                                        str(MAX_PROMPT), "--max-output-tokens", str(MAX_OUTPUT), "--out", bench_out,
-                                       "--no-plots"], check=True, cwd=ROOT,
+                                       "--no-plots"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                            env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+            refitted = worker_cost_models(port)
         finally:
             stop_cluster(proc)
         with open(os.path.join(bench_out, "requests.jsonl")) as f:
@@ -190,7 +298,17 @@ def two_workers(profile_path: str, cost: CostModel, seconds: float, out: str, po
         sim, extra = sim_ttfts(same, profile_path, 2, "pla", router)
         rows.append(row("2 workers + router (HTTP)", "pla", router, real_ttfts, sim, None,
                         sum(extra["busy_s"]) / 2 / extra["duration_s"], n))
-    return rows
+        # How much slower prefill ran inside the cluster: the workers' own online refits vs the profile.
+        slow = [m.prefill_time(256) / cost.prefill_time(256) for m in refitted]
+        rows[-1]["worker_refits"] = [m.as_dict() for m in refitted]
+        rows[-1]["worker_prefill_256_over_profile"] = slow
+        print(f"  workers' online refits: a 256-token prefill {', '.join(f'{x:.2f}x' for x in slow)} the profile's "
+              f"({', '.join(m.source for m in refitted)})", flush=True)
+        if stepfit_path is not None:
+            sim2, extra2 = sim_ttfts(same, stepfit_path, 2, "pla", router)
+            diag.append(row("2 workers, step-fitted profile", "pla", router, real_ttfts, sim2, None,
+                            sum(extra2["busy_s"]) / 2 / extra2["duration_s"], n))
+    return rows, diag
 
 
 def table(rows: list[dict]) -> str:
@@ -210,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="/tmp/sim_validation")
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--only", choices=("single", "cluster"), default=None)
+    p.add_argument("--no-diagnostics", action="store_true", help="skip the warm-up step fit")
     args = p.parse_args(argv)
     logging.getLogger("plaserve").setLevel(logging.ERROR)
     os.makedirs(args.out, exist_ok=True)
@@ -217,17 +336,24 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, resolve_dtype("auto", device), device)
     print("model: embedded default (RANDOM WEIGHTS), float32 on", device)
     print("fitting cost models on this machine ...", flush=True)
-    rows = []
+    rows, diag = [], []
     p1 = os.path.join(args.out, "profile_1thread.json")
     cost1 = fit_profile(loaded, 1, p1)
+    log = StepLog()
+    stepfit = None if args.no_diagnostics else warm_up_fit(loaded, p1, cost1, args.seconds / 2, log, args.out)
     if args.only in (None, "single"):
-        rows += single_instance(loaded, p1, cost1, args.seconds)
+        r, d = single_instance(loaded, p1, cost1, args.seconds, log, stepfit)
+        rows, diag = rows + r, diag + d
     if args.only in (None, "cluster"):
-        rows += two_workers(p1, cost1, args.seconds, args.out, args.port)
+        r, d = two_workers(p1, cost1, args.seconds, args.out, args.port, stepfit)
+        rows, diag = rows + r, diag + d
     text = table(rows)
-    print("\n" + text)
+    print("\nValidation (same profile on both sides):\n" + text)
+    if diag:
+        print("\nDiagnostic (simulated with the step-fitted profile):\n" + table(diag))
     with open(os.path.join(args.out, "sim_validation.json"), "w") as f:
-        json.dump({"rows": rows, "table": text, "seconds": args.seconds}, f, indent=1)
+        json.dump({"rows": rows, "diagnostic_rows": diag, "table": text,
+                   "diagnostic_table": table(diag) if diag else None, "seconds": args.seconds}, f, indent=1)
     return 0
 
 
