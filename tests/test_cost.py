@@ -59,3 +59,28 @@ def test_online_refit_converges_when_the_true_cost_changes():
     assert online.num_refits > 0 and online.model.source == "online"
     assert online.model.g1 == pytest.approx(after.g1, rel=0.1)
     assert online.model.g2 == pytest.approx(after.g2, rel=0.15)
+
+
+def test_step_time_ratio_reports_how_far_steps_run_from_the_prediction():
+    from plaserve import EngineConfig, LLMEngine, SamplingParams
+    from plaserve.cost import StepTimeRatio
+    from plaserve.sim.runner import CostRunner, SimClock
+
+    ratio = StepTimeRatio(window=2)
+    assert ratio.ratio is None
+    for predicted, measured in ((1.0, 9.0), (1.0, 1.0), (2.0, 3.0)):  # the first falls out of the window
+        ratio.observe(predicted, measured)
+    assert ratio.ratio == pytest.approx(4.0 / 3.0)
+
+    # An engine whose steps really take 1.5x what its cost model predicts says so in its load report.
+    model = CostModel(g1=1e-4, g2=1e-8, c0=1e-3)
+    slow = CostModel(g1=1.5e-4, g2=1.5e-8, c0=1.5e-3)
+    clock = SimClock()
+    engine = LLMEngine(EngineConfig.from_kwargs(kv_cache_memory="256MiB", policy="fcfs"),
+                       runner=CostRunner(slow, clock), cost=model, clock=clock)
+    assert engine.load_report()["step_time_over_predicted"] is None
+    for n in (50, 700, 3000):
+        engine.add_request([1 + i % 500 for i in range(n)], SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.load_report()["step_time_over_predicted"] == pytest.approx(1.5)

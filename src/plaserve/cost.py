@@ -12,6 +12,8 @@ measured on the device at start (:meth:`CostModel.from_flops`).
 
 from __future__ import annotations
 
+from collections import deque
+
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -138,6 +140,27 @@ def fit_quality(model: CostModel, samples: list[Sample]) -> dict[str, float]:
     ss_res, ss_tot = float(((y - p) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
     return {"mape": float(np.mean(np.abs(p - y) / y)), "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
             "n": len(samples)}
+
+
+class StepTimeRatio:
+    """Measured over predicted time of the engine's recent steps, every kind, over a sliding window.
+
+    How well the cost model in use describes the machine now: 1.0 exactly, 1.2 when steps take 20 %
+    longer than predicted (a noisy neighbour, a profile from another setting). Reported by ``/load``.
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        self.pairs: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def observe(self, predicted: float, measured: float) -> None:
+        if predicted > 0:
+            self.pairs.append((predicted, measured))
+
+    @property
+    def ratio(self) -> float | None:
+        """Sum of measured over sum of predicted seconds in the window (None before any step)."""
+        predicted = sum(p for p, _ in self.pairs)
+        return sum(m for _, m in self.pairs) / predicted if self.pairs else None
 
 
 class OnlineCostModel:

@@ -165,3 +165,12 @@ def test_bad_prompts_are_refused(llama_ckpt):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert not engine.has_unfinished()
+
+
+def test_warm_up_leaves_no_trace(llama_ckpt, alone):
+    engine = make_engine(llama_ckpt, max_num_batched_tokens=512)
+    engine.warm_up()
+    assert engine.num_steps == 0 and engine.allocator.num_used_blocks == 0 and not engine.has_unfinished()
+    reqs = run(engine, PROMPTS)
+    assert [r.output_token_ids for r in reqs] == [alone[tuple(p)] for p in PROMPTS]
+    assert all(r.metrics.num_cached_tokens == 0 for r in reqs)  # nothing of the warm-up went into the prefix cache

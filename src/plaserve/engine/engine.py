@@ -10,7 +10,7 @@ from typing import Callable, Protocol
 import torch
 
 from plaserve.config import EngineConfig
-from plaserve.cost import CostModel, OnlineCostModel, measure_peak_flops
+from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_peak_flops
 from plaserve.profile import Profile, fingerprint
 from plaserve.engine.kv_cache import BlockAllocator, allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.request import Request, RequestOutput, SamplingParams
@@ -85,6 +85,7 @@ class LLMEngine:
             cost = cost or self.profile.cost_model
         self.cost = cost or CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
         self.online = OnlineCostModel(self.cost) if config.online_refit else None
+        self.step_time = StepTimeRatio()
         sched = config.scheduler
         if sched.policy not in POLICIES:
             raise ValueError(f"unknown policy {sched.policy!r}; choose one of {', '.join(POLICIES)}")
@@ -103,6 +104,14 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None
         self.num_steps = 0
         self.num_preemptions = 0
+
+    def warm_up(self) -> None:
+        """Run one throwaway step of a full token budget (and a decode) before serving, so that the
+        first requests do not pay for first-call costs. Touches no request, block or counter; does
+        nothing with a model-free runner."""
+        if isinstance(self.runner, ModelRunner):
+            budget = self.config.scheduler.max_num_batched_tokens
+            self.runner.warm_up(max(1, min(budget, self.max_model_len - 1)))
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model_config
@@ -210,6 +219,7 @@ class LLMEngine:
             "kv": {"used_blocks": kv.num_used_blocks, "free_blocks": kv.num_free_blocks,
                    "utilization": kv.num_used_blocks / kv.num_blocks, "block_size": kv.block_size},
             "cost_model": self.cost.as_dict(),
+            "step_time_over_predicted": self.step_time.ratio,
             "short_threshold": self.config.scheduler.short_threshold,
             "policy": self.config.scheduler.policy,
         }
@@ -227,6 +237,7 @@ class LLMEngine:
         sampled = self.runner.execute(batch)
         end = self.clock()
         self.scheduler.on_batch_done(batch, start, end)
+        self.step_time.observe(self.cost.batch_time(work), end - start)
         if self.online is not None and batch.kind != "decode" and all(n > 1 for n, _ in work):
             # Prefill-only steps: decode steps follow other costs (memory traffic, per-step overhead).
             self.online.observe(work, end - start)

@@ -132,6 +132,26 @@ class ModelRunner:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta, self.kv_caches)
         return hidden, packed
 
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> None:
+        """One throwaway step before serving: a ``num_tokens`` prefill and a decode, with logits.
+
+        The first call of each kernel pays for allocations and algorithm choice (oneDNN primitives on
+        CPU, workspaces on CUDA); without this, the first requests served pay it in their latency.
+        Every K/V it writes goes to the null block, which no request reads unmasked.
+        """
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
+        null = [NULL_BLOCK * self.block_size + i % self.block_size for i in range(num_tokens + 1)]
+        meta = AttentionMetadata(slot_mapping=t(null), prefill=[PrefillSeq(0, num_tokens, 0, None)],
+                                 num_prefill_tokens=num_tokens, decode_block_tables=t([[NULL_BLOCK]]),
+                                 decode_context_lens=t([1]))
+        positions = t([*range(num_tokens), 0])
+        hidden = self.model(torch.zeros(num_tokens + 1, dtype=torch.long, device=self.device), positions, meta,
+                            self.kv_caches)
+        self.model.compute_logits(hidden[[num_tokens - 1, num_tokens]])
+
     def execute(self, batch: ScheduledBatch) -> dict[int, int]:
         """Run ``batch``; returns the sampled token of each item that samples, by item index."""
         hidden, packed = self._forward(batch)

@@ -61,15 +61,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(cos, sin)`` rows of ``positions``, ``[T, 1, D/2]`` each: looked up once per forward
+        pass and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+def apply_rotary_(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Rotate ``x`` (``[T, heads, D]``, possibly a strided view) in place by the ``(cos, sin)`` rows."""
+    cos, sin = rope
+    if x.dtype != torch.float32:
+        # Half precision: rotate in float32 and round once, as the reference implementation does.
+        x1, x2 = x.float().chunk(2, dim=-1)
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return
+    # float32: in place, one temporary (about a third of the memory passes of the out-of-place form).
+    x1, x2 = x.chunk(2, dim=-1)
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
 
 
 def _fuse_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -132,18 +142,20 @@ class Attention(nn.Module):
         """Run the q, k and v projections as one matmul; the parameters become views of it."""
         self.qkv = _fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+        t, h, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
-            qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = nn.functional.linear(x, *self.qkv).split([qd, kd, kd], dim=-1)
+            qkv = nn.functional.linear(x, *self.qkv)
+            # q and k sit side by side in the fused output: rotate them in one pass, in place.
+            qk = qkv[:, :(h + hk) * d].view(t, h + hk, d)
+            apply_rotary_(qk, rope)
+            q, k = qk.split([h, hk], dim=1)
+            v = qkv[:, (h + hk) * d:].view(t, hk, d)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+            q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, hk, d), self.v_proj(x).view(t, hk, d)
+            apply_rotary_(q, rope)
+            apply_rotary_(k, rope)
         o = attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.view(t, -1))
 
@@ -158,7 +170,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Residual adds in place on the fresh sublayer outputs: no extra [T, hidden] allocations.
+        x = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)

@@ -44,8 +44,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a packed batch; writes its K/V into ``kv_caches`` when given."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rotary, None if kv_caches is None else kv_caches[i], meta)
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
         return self.model.norm(x)
 
     @torch.inference_mode()

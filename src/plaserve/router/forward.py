@@ -41,14 +41,24 @@ def sse_error(message: str) -> bytes:
 
 
 def _has_token(event: dict[str, Any]) -> bool:
+    """Whether a streamed event carries a token.
+
+    A token's text may be empty: a byte-level tokenizer's token can be the first part of a multi-byte
+    character, which the server holds back until the character is complete. Such a chunk is still the
+    first token (a client counts it as one), so a completion chunk always counts, and a chat chunk
+    counts unless it is the stream's opening ``role`` chunk.
+    """
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):
             continue
-        if choice.get("text") or choice.get("finish_reason"):
+        if isinstance(choice.get("text"), str) or choice.get("finish_reason"):
             return True
         delta = choice.get("delta")
-        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")
-                                        or delta.get("reasoning_content")):
+        if not isinstance(delta, dict):
+            continue
+        if delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"):
+            return True
+        if "role" not in delta and isinstance(delta.get("content"), str):
             return True
     return False
 

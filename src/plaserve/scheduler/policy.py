@@ -5,7 +5,8 @@
 * ``spf`` — shortest prefill first: as fcfs, but waiting prompts start in order of their uncached
   length (SGLang's shortest-first style). Good for short TTFT; can starve long prompts.
 * ``pla`` — prefill-length-aware (ours): short and long prompts in separate queues; each step runs one
-  of a short batch (bucketed, right-padded, static shape), one long chunk, or a decode batch.
+  of a short batch (bucketed, right-padded, static shape), one long chunk, or a decode batch. Decodes
+  ride along varlen steps; without static short batches, waiting shorts ride along long chunks too.
 
 Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_between_decodes``):
 
@@ -207,15 +208,16 @@ class PlaScheduler(Scheduler):
                 items.append(BatchItem(req, 1))
         return ScheduledBatch(items, kind="decode", preempted=preempted)
 
-    def schedule_short(self, plan: tuple[list[Request], int | None], decodes: list[Request]) -> ScheduledBatch:
-        """The planned bucket batch: right-padded to its static shape, or, without static batches,
-        varlen with the decodes riding along (as on long chunks)."""
-        reqs, bucket = plan
-        items = []
+    def start_shorts(self, reqs: list[Request], max_tokens: int, budget: int | None = None) -> list[BatchItem]:
+        """Start short requests of ``reqs`` in order, each whole (at most ``max_tokens``), until one does
+        not start or the next would exceed ``budget`` tokens in all."""
+        items: list[BatchItem] = []
         for req in reqs:
             if len(self.running) >= self.max_num_seqs:
                 break
-            n = self.try_start(req, bucket or self.config.short_threshold)
+            if budget is not None and self._uncached(req) > budget:
+                break
+            n = self.try_start(req, max_tokens)
             if n == 0:
                 break
             if n < req.num_pending_tokens:
@@ -224,6 +226,15 @@ class PlaScheduler(Scheduler):
                 req.length_class, req.uncached_estimate = "long", req.num_tokens
                 continue
             items.append(BatchItem(req, n))
+            if budget is not None:
+                budget -= n
+        return items
+
+    def schedule_short(self, plan: tuple[list[Request], int | None], decodes: list[Request]) -> ScheduledBatch:
+        """The planned bucket batch: right-padded to its static shape, or, without static batches,
+        varlen with the decodes riding along (as on long chunks)."""
+        reqs, bucket = plan
+        items = self.start_shorts(reqs, bucket or self.config.short_threshold)
         if not self.config.static_short_batches:
             return self.with_decodes(ScheduledBatch(items, kind="short"), decodes)
         # A request that hit the prefix cache after all cannot run padded from position 0: the batch
@@ -260,10 +271,23 @@ class PlaScheduler(Scheduler):
     def schedule_long(self, decodes: list[Request]) -> ScheduledBatch:
         """One chunk of ``long_chunk_size`` prefill tokens, packed from the head of the long queue (a
         request's last, partial chunk is topped up from the next), with every decode riding along:
-        the step is varlen and eager anyway, and a decode token costs little beside a chunk."""
+        the step is varlen and eager anyway, and a decode token costs little beside a chunk.
+
+        Without static short batches, the waiting short requests ride along too, whole, up to another
+        ``long_chunk_size`` tokens: they start now instead of after their window and the chunk, and one
+        larger step costs less than two (a fixed cost per step; matmuls over few rows run slower per
+        token). A step with riders runs at most twice a chunk's tokens. With static batches (CUDA graphs)
+        shorts keep to their padded runners."""
+        c = self.config
         items: list[BatchItem] = []
         preempted: list[Request] = []
-        self.pack(self.long_queue(), self.config.long_chunk_size, items, preempted)
+        self.pack(self.long_queue(), c.long_chunk_size, items, preempted)
+        if items and not preempted and not c.static_short_batches:
+            riders = self.start_shorts(self.short_candidates(), c.short_threshold, budget=c.long_chunk_size)
+            for it in riders:  # dispatched at once: ready now for the head-of-line accounting
+                if it.request.metrics.ready_time is None:
+                    it.request.metrics.ready_time = self._now
+            items += riders
         return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)
 
 

@@ -33,6 +33,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-online-refit", action="store_true",
+                   help="keep the cost model fixed (default: refit it on the engine's own prefill timings)")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
 
 
@@ -47,6 +49,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.profile is not None:
         kwargs["profile"] = args.profile
+    if args.no_online_refit:
+        kwargs["online_refit"] = False
     return EngineConfig.from_kwargs(**kwargs)
 
 
@@ -66,6 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"plaserve serve: {e}", file=sys.stderr)
         return 2
+    engine.warm_up()
     loop = EngineLoop(engine, max_queue=args.max_queue)
     name = args.served_model_name or engine.loaded.name
     app = build_app(loop, served_model_name=name, api_key=args.api_key)
