@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from plaserve.model.config import ModelConfig
@@ -46,7 +46,8 @@ class CostModel:
         return self.c0 + sum(self.prefill_time(n, h) - self.c0 for n, h in work)
 
     def as_dict(self) -> dict[str, float | str]:
-        return asdict(self)
+        # Spelled out: ``dataclasses.asdict`` deep-copies, and load reports call this per poll.
+        return {"g1": self.g1, "g2": self.g2, "g3": self.g3, "c0": self.c0, "source": self.source}
 
     @classmethod
     def from_flops(cls, cfg: ModelConfig, peak_flops: float, efficiency: float = 0.7) -> "CostModel":
@@ -150,17 +151,25 @@ class StepTimeRatio:
     """
 
     def __init__(self, window: int = 256) -> None:
-        self.pairs: deque[tuple[float, float]] = deque(maxlen=window)
+        self.pairs: deque[tuple[float, float]] = deque()
+        self.window = window
+        self.predicted = self.measured = 0.0  # running sums over the window
 
     def observe(self, predicted: float, measured: float) -> None:
-        if predicted > 0:
-            self.pairs.append((predicted, measured))
+        if predicted <= 0:
+            return
+        self.pairs.append((predicted, measured))
+        self.predicted += predicted
+        self.measured += measured
+        if len(self.pairs) > self.window:
+            p, m = self.pairs.popleft()
+            self.predicted -= p
+            self.measured -= m
 
     @property
     def ratio(self) -> float | None:
         """Sum of measured over sum of predicted seconds in the window (None before any step)."""
-        predicted = sum(p for p, _ in self.pairs)
-        return sum(m for _, m in self.pairs) / predicted if self.pairs else None
+        return self.measured / self.predicted if self.pairs else None
 
 
 class OnlineCostModel:

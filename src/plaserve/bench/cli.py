@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import sys
@@ -90,7 +89,7 @@ def run_bench(args: argparse.Namespace) -> int:
         json.dump(run, f, indent=2)
     with open(os.path.join(args.out, "requests.jsonl"), "w") as f:
         for r in result.records:
-            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+            f.write(json.dumps(r.as_dict()) + "\n")
     if not args.no_plots:
         for path in plot(result.records, args.out):
             print(f"wrote {path}")

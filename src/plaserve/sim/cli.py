@@ -217,7 +217,7 @@ def _report_run(result: SimResult, args: argparse.Namespace, profile: SimProfile
         json.dump(run, f, indent=2)
     with open(os.path.join(args.out, "requests.jsonl"), "w") as f:
         for r in result.records:
-            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+            f.write(json.dumps(r.as_dict()) + "\n")
     if not args.no_plots:
         for path in [*plot(result.records, args.out), plot_instances(result, args.out)]:
             print(f"wrote {path}")
