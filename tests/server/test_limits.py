@@ -48,8 +48,10 @@ def test_full_queue_gets_429_and_recovers(server) -> None:
     long_body = {"prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30, headers=AUTH) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=long_body) as running:
-            # Wait for its first token: it now holds the only sequence slot.
-            assert next(line for line in running.iter_lines() if line).startswith("data: ")
+            # Wait for its first token: it now holds the only sequence slot. (The line iterator is kept:
+            # a dropped one closes the stream, and the server would abort the request.)
+            lines = running.iter_lines()
+            assert next(line for line in lines if line).startswith("data: ")
             with http.stream("POST", f"{server.url}/v1/completions", json=long_body) as waiting:
                 assert waiting.status_code == 200  # queued behind the first: the queue is now full
                 third = http.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})

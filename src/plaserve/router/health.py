@@ -48,6 +48,15 @@ def parse_backlog(load: Any) -> tuple[float, int | None] | None:
     return max(0.0, total), n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
+def parse_age(load: dict[str, Any]) -> float:
+    """``age_s`` of a ``/load`` JSON: how old the state it describes was when it was sent (0 if absent
+    or not a sane number; other servers do not report it)."""
+    age = load.get("age_s")
+    if isinstance(age, bool) or not isinstance(age, (int, float)) or not 0 <= age < 60:
+        return 0.0
+    return float(age)
+
+
 class WorkerMonitor:
     """Runs the health and load loops over a changing set of workers."""
 
@@ -112,7 +121,11 @@ class WorkerMonitor:
             return
         backlog, n = parse_backlog(body)  # type: ignore[misc]
         worker.supports_load = True
-        worker.load = LoadReport(backlog, sent, self._clock(), n)
+        # The report describes the worker as it was ``age_s`` before it answered (plaserve publishes
+        # its state as each step starts): date it back, so the backlog drains from then and requests
+        # sent since then count as not in it.
+        age = parse_age(body)
+        worker.load = LoadReport(backlog, sent - age, self._clock() - age, n)
         self._on_load(worker, body)
 
     def record_check(self, worker: Worker, ok: bool) -> bool:

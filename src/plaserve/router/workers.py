@@ -8,10 +8,11 @@ cost model) that stands between a new request and its first token there:
   first token;
 * **reconciled with ``/load``** when the worker reports one (plaserve workers): the reported
   ``backlog_s`` (short + long) is the worker's own view, which also knows partial progress, cache hits
-  and requests from other clients. A report asked for at ``sent`` and received at ``received`` is
-  drained at one second of work per second since ``received`` (a busy worker works off its queue in
-  real time) and the router adds the costs of its requests dispatched after ``sent`` that still wait
-  for a first token, which the report cannot contain:
+  and requests from other clients. A report asked for at ``sent`` and received at ``received`` (both
+  dated back by the report's ``age_s``, how old the state it describes was: plaserve publishes it as
+  each engine step starts) is drained at one second of work per second since ``received`` (a busy
+  worker works off its queue in real time) and the router adds the costs of its requests dispatched
+  after ``sent`` that still wait for a first token, which the report cannot contain:
 
       B_k(now) = max(0, backlog_s - (now - received)) + sum(cost of waiting requests dispatched after sent)
 

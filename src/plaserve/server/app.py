@@ -196,7 +196,7 @@ class _Handlers:
     async def load(self, request: Request) -> Response:
         snap = self.loop.snapshot()
         return JSONResponse({**snap.load, "pending": snap.pending, "num_tokens": snap.num_tokens,
-                             "timestamp": snap.time})
+                             "timestamp": snap.time, "age_s": snap.age})
 
     async def get_load(self, request: Request) -> Response:
         snap = self.loop.snapshot()

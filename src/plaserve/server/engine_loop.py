@@ -81,6 +81,12 @@ class EngineSnapshot:
     num_tokens: int  # prompt + generated tokens of every unfinished request
     pending: int  # submissions in the inbox, not yet in the engine
     time: float  # time.time() when taken
+    monotonic: float = 0.0  # time.monotonic() when taken: what ``GET /load``'s ``age_s`` is measured from
+
+    @property
+    def age(self) -> float:
+        """Seconds since the snapshot was taken."""
+        return max(0.0, time.monotonic() - self.monotonic)
 
 
 @dataclass
@@ -173,9 +179,14 @@ class EngineLoop:
                 if commands is None:
                     break
                 self._apply(commands)
-                if self.engine.has_unfinished():
+                # Published as a step starts, with the inbox applied: a router reading it (``GET /load``
+                # gives its age) knows the engine has worked off the backlog since, one second per second.
+                busy = self.engine.has_unfinished()
+                self._publish(force=not busy)
+                if busy:
                     self._step()
-                self._publish(force=not self.engine.has_unfinished())
+                    if not self.engine.has_unfinished():
+                        self._publish(force=True)  # going idle: the last step's results
         except Exception as e:  # the engine's state is unknown now: fail everything, report unhealthy
             log.exception("engine loop crashed")
             self._error = e
@@ -278,4 +289,4 @@ class EngineLoop:
         sched = self.engine.scheduler
         num_tokens = sum(r.num_tokens for r in list(sched.waiting) + list(sched.running))
         return EngineSnapshot(load=self.engine.load_report(), stats=dict(self.engine.stats), num_tokens=num_tokens,
-                              pending=pending, time=time.time())
+                              pending=pending, time=time.time(), monotonic=time.monotonic())

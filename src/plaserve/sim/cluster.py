@@ -22,9 +22,8 @@ order, so that what happens at ``t`` is visible to every decision made at ``t``:
 An instance's step runs whole at its start time (it decides the batch from what has arrived by then,
 as the real engine thread does between steps) and its outputs are delivered at its end; a request
 dispatched to it meanwhile waits in its inbox for the next step, as in the server's engine loop. A
-load poll that lands during a step reads the engine's state after that step (the real worker would
-still report the state before it, or one up to 10 ms old): the router's view is early by at most
-one step.
+load poll reads what a plaserve worker publishes: its state as its current step started (inbox taken
+in), dated back to that start (``age_s``), so the router drains the backlog from then.
 
 Model-free also means text-free: the simulated requests carry no detokenizer (no stop strings, no
 output text), which is a fifth of an engine step's cost in Python.
@@ -179,6 +178,22 @@ class _Instance:
         self.poll_state: tuple[int, int] | None = None  # (steps, requests added) at the last poll
         self.poll_value: tuple[float, int] = (0.0, 0)
         self.added = 0
+        self.step_start = 0.0  # start of its last step
+        self.step_work = 0.0  # prefill backlog (as load_report prices it) that step worked off
+
+
+def _prefill_done(engine: LLMEngine) -> float:
+    """The prefill backlog, priced as ``load_report`` prices it, that the engine's last step worked off."""
+    cost, done = engine.cost, 0.0
+    for it in engine.last_batch.items:
+        req = it.request
+        prompt, after = req.num_prompt_tokens, req.num_computed_tokens
+        before = after - it.num_tokens
+        if before < prompt:
+            done += cost.prefill_time(prompt - before, before)
+            if after < prompt:
+                done -= cost.prefill_time(prompt - after, after)
+    return done
 
 
 class ClusterSim:
@@ -280,7 +295,10 @@ class ClusterSim:
                 load = inst.engine.load_report()
                 inst.poll_state, inst.poll_value = state, (sum(load["backlog_s"].values()), load["num_requests"])
             backlog, n = inst.poll_value
-            inst.worker.load = LoadReport(backlog, t, t, n)
+            as_of = t
+            if inst.busy_until > t:  # mid-step: the worker reports its state as the step started
+                backlog, as_of = backlog + inst.step_work, inst.step_start
+            inst.worker.load = LoadReport(backlog, as_of, as_of, n)
 
     # --- the instances ---------------------------------------------------------------------------
     def _step(self, inst: _Instance, t: float) -> float | None:
@@ -310,6 +328,7 @@ class ClusterSim:
         end = inst.clock.now
         inst.busy_s += end - t
         inst.busy_until = end
+        inst.step_start, inst.step_work = t, _prefill_done(engine)
         notes = [o for o in outputs if o.finished or len(o.outputs[0].token_ids) == 1]
         if notes:
             inst.next_step = end  # the delivery schedules it; arrivals meanwhile must not

@@ -1,0 +1,50 @@
+"""``/load`` polls: a report is dated back by the age of the state it describes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from plaserve.cost import CostModel
+from plaserve.router.config import BreakerConfig, HealthConfig
+from plaserve.router.health import WorkerMonitor, parse_age
+from plaserve.router.workers import Worker
+from plaserve.server.launcher import free_port
+
+
+@pytest.mark.parametrize("body, age", [({"age_s": 0.25}, 0.25), ({"age_s": 0}, 0.0), ({}, 0.0),
+                                       ({"age_s": "0.2"}, 0.0), ({"age_s": -1.0}, 0.0), ({"age_s": True}, 0.0),
+                                       ({"age_s": 1e9}, 0.0)])
+def test_parse_age_accepts_only_sane_numbers(body, age):
+    assert parse_age(body) == age
+
+
+def test_poll_dates_the_report_back_by_its_age():
+    async def main():
+        async def load(_: web.Request) -> web.Response:
+            return web.json_response({"backlog_s": {"short": 0.5, "long": 1.0}, "num_requests": 3, "age_s": 0.25})
+
+        app = web.Application()
+        app.router.add_get("/load", load)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        clock = [10.0]
+        worker = Worker(f"http://127.0.0.1:{port}", CostModel(g1=1e-3, g2=0.0), BreakerConfig())
+        worker.start(1, 0.2, 200, "short", now=9.8)  # sent after the state the report describes
+        async with aiohttp.ClientSession() as session:
+            monitor = WorkerMonitor(HealthConfig(), lambda: session, lambda: [worker], on_change=lambda: None,
+                                    on_load=lambda w, body: None, clock=lambda: clock[0])
+            await monitor.poll_load(worker)
+        await runner.cleanup()
+        return worker
+
+    w = asyncio.run(main())
+    assert w.supports_load and w.load.num_requests == 3
+    assert (w.load.sent, w.load.received) == (pytest.approx(9.75), pytest.approx(9.75))
+    # 1.5 s reported, 0.25 s of it worked off since the state was taken, plus the request it cannot hold.
+    assert w.backlog(10.0) == pytest.approx(1.5 - 0.25 + 0.2)
