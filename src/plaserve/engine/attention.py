@@ -47,6 +47,9 @@ class AttentionMetadata:
     padded_shape: tuple[int, int] | None = None  # (batch, bucket) of the padded part
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], padded with the null block
     decode_context_lens: torch.Tensor | None = None  # [B] tokens in context incl. the new one
+    # Decode rows [start, end) whose contexts fit ``blocks`` blocks, attended as one group (None: all
+    # rows, the tables' full width).
+    decode_groups: list[tuple[int, int, int]] | None = None
 
     @property
     def num_padded_tokens(self) -> int:
@@ -113,12 +116,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple
         assert kv_cache is not None and meta.decode_context_lens is not None
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         kc, vc = kv_cache
-        b = tables.shape[0]
-        # [B, max_blocks, block, Hk, D] -> [B, Hk, S, D]
-        ks = kc[tables].flatten(1, 2).transpose(1, 2)
-        vs = vc[tables].flatten(1, 2).transpose(1, 2)
-        mask = (torch.arange(ks.shape[2], device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        o = _sdpa(q[p1:].unsqueeze(2), ks, vs, scale, mask=mask)  # [B, H, 1, D]
-        out[p1:] = o.squeeze(2)
-        assert out.shape[0] - p1 == b
+        hk, d = k.shape[1], k.shape[2]
+        assert out.shape[0] - p1 == tables.shape[0]
+        for start, end, blocks in meta.decode_groups or [(0, tables.shape[0], tables.shape[1])]:
+            b = end - start
+            # index_select copies whole blocks (rows of the flat cache): faster than advanced indexing.
+            # [b * blocks, block, Hk, D] -> [b, Hk, S, D]
+            group = tables[start:end, :blocks].reshape(-1)
+            ks = torch.index_select(kc, 0, group).view(b, -1, hk, d).transpose(1, 2)
+            vs = torch.index_select(vc, 0, group).view(b, -1, hk, d).transpose(1, 2)
+            mask = (torch.arange(ks.shape[2], device=q.device)[None, :] < lens[start:end, None])[:, None, None, :]
+            # The query heads sharing a K/V head attend as that head's rows (query head h reads K/V head
+            # h // group, as in repeat_kv): one pass over each head's K/V serves the whole group.
+            qs = q[p1 + start:p1 + end].view(b, hk, -1, d)
+            o = _sdpa(qs, ks, vs, scale, mask=mask)  # [b, Hk, H / Hk, D]
+            out[p1 + start:p1 + end] = o.reshape(b, -1, d)
     return out

@@ -12,6 +12,7 @@ import torch
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_peak_flops
 from plaserve.profile import Profile, fingerprint
+from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import BlockAllocator, allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
@@ -92,6 +93,8 @@ class LLMEngine:
         self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
         if runner is None:
             assert loaded is not None
+            if self.device.type == "cpu":
+                keep_freed_memory()  # activations reuse freed memory instead of page-faulting in anew
             cfg = self.model_config
             kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
                                             cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)

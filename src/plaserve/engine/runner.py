@@ -72,8 +72,19 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
         assert it.request.num_computed_tokens == 0 and it.num_tokens <= batch.bucket
         add(i, it, pad_to=batch.bucket)
     tables = lens = None
+    groups: list[tuple[int, int, int]] = []
     if decodes:
-        width = max(len(it.request.block_table) for _, it in decodes)
+        # Longest context first, cut into groups whose contexts are at least half the group's longest:
+        # each group gathers its K/V padded to its own width, so the padding copied and attended over
+        # stays under the real context (one group for all would pad every request to the longest).
+        decodes.sort(key=lambda d: len(d[1].request.block_table), reverse=True)
+        for j, (_, it) in enumerate(decodes):
+            n = len(it.request.block_table)
+            if groups and 2 * n >= groups[-1][2]:
+                groups[-1] = (groups[-1][0], j + 1, groups[-1][2])
+            else:
+                groups.append((j, j + 1, n))
+        width = groups[0][2]
         tables = torch.tensor([it.request.block_table + [NULL_BLOCK] * (width - len(it.request.block_table))
                                for _, it in decodes], dtype=torch.long, device=device)
         lens = torch.tensor([it.request.num_computed_tokens + 1 for _, it in decodes], dtype=torch.long,
@@ -86,7 +97,7 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
 
     meta = AttentionMetadata(slot_mapping=t(slots), prefill=prefill, num_prefill_tokens=num_prefill,
                              padded_shape=(len(padded), batch.bucket) if padded else None,
-                             decode_block_tables=tables, decode_context_lens=lens)
+                             decode_block_tables=tables, decode_context_lens=lens, decode_groups=groups or None)
     return PackedBatch(t(ids), t(pos), meta, rows, row_items)
 
 

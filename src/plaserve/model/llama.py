@@ -7,7 +7,7 @@ from torch import nn
 
 from plaserve.engine.attention import AttentionMetadata
 from plaserve.model.config import ModelConfig
-from plaserve.model.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from plaserve.model.layers import DecoderLayer, Projection, RMSNorm, RotaryEmbedding
 
 
 class LlamaModel(nn.Module):
@@ -32,12 +32,16 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.head: Projection | None = None
 
     def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up into single matmuls (after loading, on the final device and dtype)."""
+        """Fuse q/k/v and gate/up into single matmuls and lay every projection out for speed
+        (:class:`~plaserve.model.layers.Projection`); after loading, on the final device and dtype."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        if not self.config.tie_word_embeddings:  # a tied head stays the embedding table's layout
+            self.head = Projection([self.lm_head])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -52,4 +56,4 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for selected hidden rows."""
-        return self.lm_head(hidden).float()
+        return (self.lm_head(hidden) if self.head is None else self.head(hidden)).float()
