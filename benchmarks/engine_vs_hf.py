@@ -58,7 +58,9 @@ class Sizes:
     prefill_lengths: tuple[int, ...] = (128, 1024, 4096)
     prefill_reps: int = 3
     flop_length: int = 2048
-    flop_reps: int = 3
+    # As many best-of repetitions as the matmul peak gets: a best-of-3 forward against a best-of-8
+    # (twice) peak would put the machine's noise on one side of the ratio only.
+    flop_reps: int = 8
     peak_size: int = 2048  # square float32 matmul for the peak
     peak_reps: int = 8
     logits_check_length: int = 256
