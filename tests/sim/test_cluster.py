@@ -165,3 +165,36 @@ def test_prefix_cache_changes_nothing_for_random_prompts():
     off = simulate(requests, PROFILE, config)
     on = simulate(requests, PROFILE, dataclasses.replace(config, engine_overrides={"enable_prefix_caching": True}))
     assert outcome(off) == outcome(on)
+
+
+class RecordingSim(ClusterSim):
+    """Records each load poll that lands during a step: the report, and the engine's real backlog as
+    that step started (worked out from the step's batch)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.mid_step_polls: list[tuple[float, float, float, float, float, float]] = []
+
+    def _poll(self, t: float) -> None:
+        super()._poll(t)
+        inst = self.instances[0]
+        if inst.busy_until > t:
+            (item,) = inst.engine.last_batch.items  # one request, prefilling
+            before = item.request.num_computed_tokens - item.num_tokens
+            expected = inst.engine.cost.prefill_time(item.request.num_prompt_tokens - before, before)
+            load = inst.worker.load
+            self.mid_step_polls.append((t, inst.step_start, load.sent, load.backlog_s, expected,
+                                        inst.worker.backlog(t)))
+
+
+def test_a_poll_during_a_step_reports_the_state_as_the_step_started():
+    """As a plaserve worker publishes it: the backlog before the running step, dated back to its start."""
+    profile = analytic_profile("qwen2.5-32b", "H100").with_short_threshold(512)
+    sim = RecordingSim(profile, ClusterConfig(instances=1))
+    sim.run([TraceRequest(0.0, 16000, 2)])  # one long prompt: chunks, several polls inside them
+    assert len(sim.mid_step_polls) >= 3
+    for t, start, sent, backlog, expected, router_view in sim.mid_step_polls:
+        assert sent == start < t
+        assert backlog == pytest.approx(expected)
+        if start > 0:  # (the request itself, dispatched at 0, counts as unseen by a report dated 0)
+            assert router_view == pytest.approx(max(0.0, expected - (t - start)))  # drained since then

@@ -184,6 +184,8 @@ class _Instance:
 
 def _prefill_done(engine: LLMEngine) -> float:
     """The prefill backlog, priced as ``load_report`` prices it, that the engine's last step worked off."""
+    if engine.last_batch.kind == "decode":
+        return 0.0
     cost, done = engine.cost, 0.0
     for it in engine.last_batch.items:
         req = it.request
@@ -224,6 +226,7 @@ class ClusterSim:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._release_at: float | None = None
+        self._next_poll = 0.0  # time of the next load poll
         self.records: list[RequestRecord] = []
         self.outstanding = 0
         self.events = 0
@@ -328,7 +331,8 @@ class ClusterSim:
         end = inst.clock.now
         inst.busy_s += end - t
         inst.busy_until = end
-        inst.step_start, inst.step_work = t, _prefill_done(engine)
+        # What a poll during this step would add back (only worked out when one will land in it).
+        inst.step_start, inst.step_work = t, _prefill_done(engine) if self._next_poll < end else 0.0
         notes = [o for o in outputs if o.finished or len(o.outputs[0].token_ids) == 1]
         if notes:
             inst.next_step = end  # the delivery schedules it; arrivals meanwhile must not
@@ -422,7 +426,8 @@ class ClusterSim:
                 self._poll(t)
                 if self.held:
                     self._release(t)
-                self._push(t + hc.health.load_interval_s, POLL, None)
+                self._next_poll = t + hc.health.load_interval_s
+                self._push(self._next_poll, POLL, None)
             elif prio == TICK:
                 self.policy.tick(self.dispatcher.available(t), t)
                 if self.held:
