@@ -33,6 +33,13 @@ def batch_work(batch: ScheduledBatch) -> list[tuple[int, int]]:
              it.request.num_computed_tokens) for it in batch.items]
 
 
+def prefill_left(cost: CostModel, num_prompt_tokens: int, num_computed: int) -> float:
+    """Predicted seconds of a request's prefill still to do once ``num_computed`` tokens are in the KV
+    cache: the backlog a load report counts for it."""
+    pending = num_prompt_tokens - num_computed
+    return cost.prefill_time(pending, num_computed) if pending > 0 else 0.0
+
+
 class BatchRunner(Protocol):
     """Executes one scheduled batch; returns the sampled token of each sampling item by index."""
 
@@ -209,9 +216,7 @@ class LLMEngine:
         running = {"short": 0, "long": 0}
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             cls = self.length_class(req)
-            pending = req.num_prompt_tokens - req.num_computed_tokens
-            if pending > 0:
-                backlog[cls] += self.cost.prefill_time(pending, req.num_computed_tokens)
+            backlog[cls] += prefill_left(self.cost, req.num_prompt_tokens, req.num_computed_tokens)
             (running if req.block_table else queued)[cls] += 1
         kv = self.allocator
         return {

@@ -45,7 +45,7 @@ from plaserve.bench.report import RequestRecord, summarize
 from plaserve.bench.slo import TtftSlo, cost_from_load
 from plaserve.bench.trace import TraceRequest
 from plaserve.cost import CostModel
-from plaserve.engine.engine import LLMEngine
+from plaserve.engine.engine import LLMEngine, prefill_left
 from plaserve.engine.request import RequestOutput, SamplingParams
 from plaserve.router.config import RouterConfig
 from plaserve.router.dispatch import Dispatcher
@@ -190,11 +190,8 @@ def _prefill_done(engine: LLMEngine) -> float:
     for it in engine.last_batch.items:
         req = it.request
         prompt, after = req.num_prompt_tokens, req.num_computed_tokens
-        before = after - it.num_tokens
-        if before < prompt:
-            done += cost.prefill_time(prompt - before, before)
-            if after < prompt:
-                done -= cost.prefill_time(prompt - after, after)
+        if after - it.num_tokens < prompt:  # a prefill item (decodes have nothing left to price)
+            done += prefill_left(cost, prompt, after - it.num_tokens) - prefill_left(cost, prompt, after)
     return done
 
 
