@@ -63,7 +63,7 @@ def record_windows(engine: LLMEngine) -> list[float]:
 
     def logged(plan):
         at = inner(plan)
-        widths.append(at - plan[0][0].metrics.arrival_time)
+        widths.append(at - min(r.metrics.arrival_time for r in plan[0]))  # from its oldest member
         return at
 
     sched.short_ready_at = logged
@@ -175,3 +175,57 @@ def test_waiting_shorts_ride_along_long_chunks_only_without_static_batches(pad):
         assert long_tokens <= chunk
     for r in reqs[1:]:  # every short still counts as dispatched within the head-of-line bound
         assert r.metrics.ready_time is not None
+
+
+def queue(engine: LLMEngine, arrivals: list[A]) -> list:
+    """Add ``arrivals`` to the engine without stepping it."""
+    return [engine.add_request([(7 * i + a.prompt_tokens) % 500 for i in range(a.prompt_tokens)],
+                               arrival_time=a.arrival) for a in arrivals]
+
+
+@pytest.mark.parametrize("pad", ["always", "never"])
+def test_short_batch_keeps_its_on_time_members_on_time(pad):
+    # Six shorts at once, all due in 0.1 s: three long-ish ones, three small ones. One batch of all of
+    # them (~0.14 s predicted) would make every member late.
+    engine, _, _ = sim_engine(policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=1.0)
+    reqs = queue(engine, [A(0.0, 400)] * 3 + [A(0.0, 50)] * 3)
+    sched = engine.scheduler
+    sched._now = 0.0
+    batch, bucket = sched.short_batch_plan()
+
+    def predicted(members):
+        return COST.batch_time([(bucket or m.num_prompt_tokens, 0) for m in members])
+
+    assert batch[0] is reqs[0]  # the most urgent (ties: the oldest) always goes
+    assert predicted(batch) <= 0.1
+    for r in reqs:  # nothing left out would have fit
+        if r not in batch and (bucket is None or r.num_prompt_tokens <= bucket):
+            assert predicted(batch + [r]) > 0.1
+    if pad == "never":  # varlen: the small ones fill the room the third long-ish one would not fit in
+        assert [m.num_prompt_tokens for m in batch] == [400, 400, 50, 50]
+
+
+def test_late_requests_yield_to_on_time_ones_for_a_bounded_time():
+    engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.1, ttft_slo_factor=1.0, late_yield=2.0)
+    early, later = queue(engine, [A(0.0, 100), A(0.14, 100)])
+    sched = engine.scheduler
+    sched._now = 0.15  # `early` can no longer make its 0.1 s deadline; `later` can
+    assert sched.yields(early) and not sched.yields(later)
+    assert sched.short_candidates() == [later, early]
+    sched._now = 0.2  # waited 2 SLOs: it takes its place by deadline again
+    assert not sched.yields(early)
+    assert sched.short_candidates() == [early, later]
+
+
+def test_yielding_cuts_slo_violations_in_a_burst():
+    # 30 shorts at once (most must miss 0.25 s), then a trickle the engine could serve in time. In
+    # plain deadline order (late_yield=0) the trickle waits behind the burst's late requests, whose
+    # deadlines are earlier; yielding serves it first.
+    arrivals = [A(0.001 * i, 100 + (i * 37) % 300, 1) for i in range(30)] + [A(0.3 + 0.05 * i, 100, 1) for i in range(10)]
+    late = {}
+    for late_yield in (0.0, 2.0):
+        engine, clock, _ = sim_engine(policy="pla", late_yield=late_yield)
+        reqs = replay(engine, clock, arrivals)
+        late[late_yield] = [sum(r.metrics.ttft > r.ttft_slo for r in part) for part in (reqs, reqs[30:])]
+    assert late[2.0][1] <= late[0.0][1] - 4  # the trickle: 8 late without yielding, 2 with
+    assert late[2.0][0] < late[0.0][0]

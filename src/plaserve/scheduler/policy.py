@@ -7,6 +7,9 @@
 * ``pla`` — prefill-length-aware (ours): short and long prompts in separate queues; each step runs one
   of a short batch (bucketed, right-padded, static shape), one long chunk, or a decode batch. Decodes
   ride along varlen steps; without static short batches, waiting shorts ride along long chunks too.
+  Both queues are deadline-aware: shorts go earliest TTFT deadline first, longs shortest first (aged);
+  in both, requests that can no longer meet their deadline wait behind those that can (for a bounded
+  time), and a short batch takes no member that would make another one late.
 
 Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_between_decodes``):
 
@@ -16,11 +19,17 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
 * **Long progress.** While a long prefill is pending, at most ``K`` short batches run in a row before
   its next chunk. A long request at the head of the long queue with ``C`` chunks left therefore finishes
   its prefill within ``C * (K + 1)`` prefill steps (plus the decode steps between them).
+* **Late requests.** A request predicted to miss its TTFT SLO even if it ran at once queues behind
+  the requests that can still meet theirs, but only until it has waited ``late_yield`` SLOs; then it
+  takes its place by deadline (shorts) or aged length (longs) again. Under overload this is what keeps
+  a burst's late requests from making the next ones late too.
 * **Decode cadence.** While requests are decoding, at most ``D`` prefill steps run between two decode
   steps, so a token's gap is bounded by ``D`` prefill steps plus one decode step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from plaserve.engine.request import Request
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
@@ -102,7 +111,30 @@ class PlaScheduler(Scheduler):
         return req.uncached_estimate
 
     def short_candidates(self) -> list[Request]:
-        return [r for r in self.waiting if r.length_class == "short"]
+        """Waiting short requests, most urgent first: those whose batch window already closed (so the
+        head-of-line guarantee holds), then earliest TTFT deadline first, except that a request that can
+        no longer meet its deadline goes after those that still can (see :meth:`yields`)."""
+        shorts = [r for r in self.waiting if r.length_class == "short"]
+        return sorted(shorts, key=lambda r: (r.metrics.ready_time is None, self.yields(r), self.deadline(r)))
+
+    # --- deadlines ------------------------------------------------------------------------
+    @staticmethod
+    def deadline(req: Request) -> float:
+        """When ``req``'s first token is due: arrival plus its TTFT SLO."""
+        return req.metrics.arrival_time + req.ttft_slo
+
+    def yields(self, req: Request) -> bool:
+        """Whether ``req`` gives way to requests that can still meet their deadlines: it cannot meet its
+        own even if it ran alone now, and it has waited less than ``late_yield`` of its SLOs.
+
+        Serving by urgency alone lets the requests an overload has already made late make the on-time
+        ones late too; yielding serves the on-time ones first, and the bound keeps the late ones from
+        starving.
+        """
+        waited = self._now - req.metrics.arrival_time
+        if waited >= self.config.late_yield * req.ttft_slo:
+            return False
+        return self._now + self.cost.prefill_time(self._uncached(req)) > self.deadline(req)
 
     def long_pending(self) -> bool:
         """Whether any long prefill is waiting or under way."""
@@ -114,23 +146,38 @@ class PlaScheduler(Scheduler):
 
     # --- the window -----------------------------------------------------------------------
     def short_batch_plan(self) -> tuple[list[Request], int | None] | None:
-        """The batch forming at the head of the short queue, and its bucket.
+        """The batch forming at the head of the short queue, and its bucket (None: varlen).
 
-        Static batches take one bucket (see :func:`pick_bucket_batch`). Varlen batches need no common
-        shape, so they take the oldest short requests of any length up to the per-batch token cap.
+        Static batches take one bucket, that of the most urgent request (see :func:`pick_bucket_batch`).
+        Varlen batches need no common shape, so they take short requests of any length up to the
+        per-batch token cap. Either way a request joins only if the batch stays predicted to meet the
+        deadline of every member that can still meet its own (:meth:`on_time_batch`): on a burst, one
+        large batch would make every member wait for all of them.
         """
         cands = self.short_candidates()
-        if self.config.static_short_batches:
-            return pick_bucket_batch(cands, self._uncached, self.buckets, self.max_batch_for)
         if not cands:
             return None
-        reqs, tokens = [], 0
+        if self.config.static_short_batches:
+            reqs, bucket = pick_bucket_batch(cands, self._uncached, self.buckets, self.max_batch_for)
+            return self.on_time_batch(reqs, lambda r: bucket, self.max_batch_for(bucket) * bucket), bucket
+        return self.on_time_batch(cands, self._uncached, self.max_num_batched_tokens), None
+
+    def on_time_batch(self, cands: list[Request], tokens: Callable[[Request], int], max_tokens: int) -> list[Request]:
+        """``cands[0]`` and, in order, each later candidate that fits in ``max_tokens`` (counting
+        ``tokens(r)`` per request) and keeps the batch's predicted finish, if it ran now, within the
+        deadline of every member that does not :meth:`yield <yields>`."""
+        c0 = self.cost.c0
+        batch: list[Request] = []
+        used, work, due = 0, c0, float("inf")  # tokens, predicted seconds, earliest on-time deadline
         for r in cands:
-            if reqs and tokens + self._uncached(r) > self.max_num_batched_tokens:
-                break
-            reqs.append(r)
-            tokens += self._uncached(r)
-        return reqs, None
+            n = tokens(r)
+            w = self.cost.prefill_time(n) - c0
+            d = due if self.yields(r) else min(due, self.deadline(r))
+            if batch and (used + n > max_tokens or self._now + work + w > d):
+                continue
+            batch.append(r)
+            used, work, due = used + n, work + w, d
+        return batch
 
     def _plan_target(self, plan: tuple[list[Request], int | None]) -> int:
         """How many requests make the planned batch full."""
@@ -145,9 +192,12 @@ class PlaScheduler(Scheduler):
         """Time at which the forming short batch must leave: window end, or earlier on low slack."""
         reqs, bucket = plan
         target = self._plan_target(plan)
+        arrivals = [r.metrics.arrival_time for r in reqs]
+        oldest = min(arrivals)
         if len(reqs) >= target:
-            return reqs[target - 1].metrics.arrival_time  # full since its last member arrived
-        oldest = reqs[0].metrics.arrival_time
+            # Full since its last member arrived; the members are in priority order, not arrival order,
+            # so that may be later than the longest window would have let the oldest wait.
+            return min(max(arrivals[:target]), oldest + self.window.w_max)
         window_end = oldest + self.window.width(target, len(reqs))
         # Deadline slack: leave when waiting longer would leave less than one long chunk of margin
         # between the predicted finish and the tightest TTFT deadline.
@@ -156,6 +206,7 @@ class PlaScheduler(Scheduler):
         return min(window_end, slack_end)
 
     def next_wakeup(self, now: float) -> float | None:
+        self._now = now
         if self.running or self.long_pending():
             return now
         plan = self.short_batch_plan()
@@ -257,10 +308,11 @@ class PlaScheduler(Scheduler):
         self.waiting.appendleft(req)
 
     def long_queue(self) -> list[Request]:
-        """Long prefills in the order they advance: running ones first, then waiting ones by arrival."""
+        """Long prefills in the order they advance: running ones first, then waiting ones by
+        :meth:`_long_priority`, those that can no longer meet their deadline after the rest (:meth:`yields`)."""
         running = [r for r in self.running if r.length_class == "long" and r.in_prefill]
         waiting = [r for r in self.waiting if r.length_class == "long"]
-        return running + sorted(waiting, key=self._long_priority)
+        return running + sorted(waiting, key=lambda r: (self.yields(r), self._long_priority(r)))
 
     def _long_priority(self, req: Request) -> float:
         """Shortest predicted prefill first, aged: each second of waiting counts as ``long_aging``

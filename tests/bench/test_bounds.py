@@ -1,0 +1,113 @@
+"""Lower bounds of the policy benchmark: exact on small cases, never above a real schedule's result."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from plaserve import EngineConfig, LLMEngine
+from plaserve.bench.bounds import Job, fewest_late, jobs_for, max_flow_fifo, min_slo_violations, min_ttft_percentile
+from plaserve.bench.policies import ratio_lines
+from plaserve.cost import CostModel
+from plaserve.sim.replay import replay
+from plaserve.sim.runner import CostRunner, SimClock
+
+COST = CostModel(g1=1e-4, g2=2e-8, c0=2e-3)
+
+
+def brute_fewest_late(jobs: list[Job], release: float) -> int:
+    """Fewest late jobs by trying every subset to serve on time (earliest deadline first)."""
+    best = len(jobs)
+    for k in range(len(jobs) + 1):
+        for on_time in itertools.combinations(jobs, k):
+            t, ok = release, True
+            for j in sorted(on_time, key=lambda j: j.deadline):
+                t += j.work
+                ok = ok and t <= j.deadline
+            if ok:
+                best = min(best, len(jobs) - k)
+    return best
+
+
+def test_fewest_late_is_exact_for_a_common_release():
+    rng = random.Random(0)
+    for _ in range(200):
+        jobs = [Job(0.0, rng.uniform(0.1, 1.0), rng.uniform(0.2, 3.0)) for _ in range(rng.randint(1, 7))]
+        assert fewest_late(jobs, 0.0) == brute_fewest_late(jobs, 0.0)
+
+
+def test_fifo_has_the_least_largest_flow_time():
+    rng = random.Random(1)
+    for _ in range(100):
+        jobs = sorted((Job(rng.uniform(0, 2), rng.uniform(0.1, 1), 0.0) for _ in range(rng.randint(1, 6))),
+                      key=lambda j: j.arrival)
+
+        def largest(order):
+            t, worst = 0.0, 0.0
+            for j in order:
+                t = max(t, j.arrival) + j.work
+                worst = max(worst, t - j.arrival)
+            return worst
+        assert max_flow_fifo(jobs) == pytest.approx(min(largest(p) for p in itertools.permutations(jobs)))
+
+
+def sim_run(policy: str, arrivals: list[tuple[float, int]]) -> list:
+    clock = SimClock()
+    cfg = EngineConfig.from_kwargs(kv_cache_memory="2GiB", enable_prefix_caching=False, policy=policy,
+                                   ttft_slo_floor=0.25, ttft_slo_factor=5.0)
+    engine = LLMEngine(cfg, runner=CostRunner(COST, clock), cost=COST, clock=clock)
+
+    class A:
+        def __init__(self, t, n):
+            self.arrival, self.prompt_tokens, self.output_tokens = t, n, 2
+    return replay(engine, clock, [A(t, n) for t, n in arrivals])
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "spf", "pla"])
+def test_no_schedule_beats_the_bounds(policy):
+    rng = random.Random(2)
+    # Two bursts far above capacity with a quiet gap: many requests must be late.
+    arrivals = sorted([(rng.uniform(0, 0.5), rng.choice([60, 200, 400, 1500, 3000])) for _ in range(40)]
+                      + [(rng.uniform(3, 3.5), rng.choice([60, 200, 400, 1500])) for _ in range(40)])
+    slo = lambda n: max(0.25, 5 * COST.prefill_time(n))  # noqa: E731
+    jobs = jobs_for(arrivals, COST, slo)
+    bound = min_slo_violations(jobs)
+    assert bound >= 10  # the bursts really force lateness: the bound is not trivially zero
+    reqs = sim_run(policy, arrivals)
+    ttft = {id(r): r.metrics.first_token_time - r.metrics.arrival_time for r in reqs}
+    assert sum(ttft[id(r)] > slo(r.num_prompt_tokens) for r in reqs) >= bound
+    short_jobs = jobs_for([a for a in arrivals if a[1] < 512], COST, slo)
+    short_ttfts = [ttft[id(r)] for r in reqs if r.num_prompt_tokens < 512]
+    for q in (50, 90, 99):
+        assert np.percentile(short_ttfts, q) >= min_ttft_percentile(short_jobs, q, COST.c0) - 1e-9
+
+
+def test_percentile_bound_drops_the_worst_jobs_exactly():
+    # Three jobs at once: the largest TTFT is at least their total work; the second largest (rank 1
+    # of 3, the 50th percentile) is at least the two smallest served back to back.
+    jobs = [Job(0.0, w, 0.0) for w in (1.0, 2.0, 4.0)]
+    assert min_ttft_percentile(jobs, 100) == pytest.approx(7.0)
+    assert min_ttft_percentile(jobs, 50) == pytest.approx(3.0)
+    assert min_ttft_percentile(jobs, 0) == pytest.approx(1.0)  # rank 0: the smallest job alone
+    assert min_ttft_percentile(jobs, 50, max_dropped=0) == pytest.approx(2.0)  # falls back to own time
+
+
+def results(short_p50: float, short_p99: float, viol: float) -> dict:
+    cls = {"short": {"ttft_ms": {"p50": short_p50, "p99": short_p99}}, "long": {"ttft_ms": {"p50": 100.0, "p99": 200.0}}}
+    return {"summary": cls | {"all": {"slo_violation_rate": viol}}}
+
+
+def test_checks_say_when_a_target_is_beyond_the_bound():
+    res = {"fcfs": results(100.0, 1000.0, 0.5), "pla": results(90.0, 500.0, 0.2)}
+    bounds = {"slo_violation_rate": 0.1, "short_ttft_ms": {"p50": 50.0, "p99": 100.0}}
+    lines = {line.split(" | ")[0]: line for line in ratio_lines(res, bounds)}
+    # p50: -10 %, the bound allows -50 %, the target -60 % is beyond it.
+    assert lines["| pla short TTFT p50 vs fcfs"].endswith("| -50% | MISSED (beyond the bound) |")
+    # p99: -50 %, the bound allows -90 %: missed, but reachable in principle.
+    assert lines["| pla short TTFT p99 vs fcfs"].endswith("| -90% | MISSED |")
+    # SLO violations: -60 % against a -70 % target, the bound allows -80 %.
+    assert lines["| pla SLO violations vs fcfs"].endswith("| -80% | MISSED |")
+    assert lines["| pla long TTFT p50 vs fcfs"].endswith("| +0% | <= +10% | - | met |")
