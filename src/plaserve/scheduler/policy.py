@@ -222,8 +222,8 @@ class PlaScheduler(Scheduler):
         ready_at = self.short_ready_at(plan) if plan is not None else None
         short_ready = ready_at is not None and ready_at <= now
         if short_ready:
-            # Ready = window closed and at the head of the short queue (heads change only when a
-            # short batch leaves): the moment the head-of-line guarantee starts to count.
+            # Ready = window closed and at the head of the short queue (ready requests keep their place
+            # there, see short_candidates): the moment the head-of-line guarantee starts to count.
             for r in plan[0]:
                 if r.metrics.ready_time is None:
                     r.metrics.ready_time = max(ready_at, self.last_short_dispatch, r.metrics.arrival_time)
