@@ -235,6 +235,11 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the outputs of requests that got a token or finished."""
+        return [RequestOutput.of(req) for req in self.step_requests()]
+
+    def step_requests(self) -> list[Request]:
+        """:meth:`step`, returning the requests that got a token instead of building an output for each
+        (the simulator looks only at first tokens and finishes)."""
         start = self.clock()
         batch = self.scheduler.schedule(start)
         if not batch:
@@ -255,17 +260,17 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)
 
-    def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int], now: float) -> list[RequestOutput]:
-        outputs = []
+    def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int], now: float) -> list[Request]:
+        sampled_reqs = []
         for i, token in sampled.items():
             req = batch.items[i].request
             if req.finished:
                 continue
             self._append_token(req, token, now)
-            outputs.append(RequestOutput.of(req))
+            sampled_reqs.append(req)
             if req.finished:
                 self.requests.pop(req.request_id, None)
-        return outputs
+        return sampled_reqs
 
     def _append_token(self, req: Request, token: int, now: float) -> None:
         req.output_token_ids.append(token)

@@ -315,7 +315,7 @@ class ClusterSim:
             inst.tracked[req.request_id] = p
             inst.added += 1
         inst.inbox.clear()
-        outputs = engine.step()
+        sampled = engine.step_requests()
         if engine.last_batch is None:
             wake = engine.next_wakeup()
             if wake is not None:
@@ -330,7 +330,7 @@ class ClusterSim:
         inst.busy_until = end
         # What a poll during this step would add back (only worked out when one will land in it).
         inst.step_start, inst.step_work = t, _prefill_done(engine) if self._next_poll < end else 0.0
-        notes = [o for o in outputs if o.finished or len(o.outputs[0].token_ids) == 1]
+        notes = [RequestOutput.of(r) for r in sampled if r.finished or len(r.output_token_ids) == 1]
         if notes:
             inst.next_step = end  # the delivery schedules it; arrivals meanwhile must not
             self._push(end, DELIVER, (inst, notes))

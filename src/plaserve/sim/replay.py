@@ -41,7 +41,7 @@ def replay(engine: LLMEngine, clock: SimClock, arrivals: Sequence[Arrival], *, h
             reqs.append(engine.add_request(random_prompt(a.prompt_tokens, vocab, gen), params,
                                            arrival_time=a.arrival))
             i += 1
-        engine.step()
+        engine.step_requests()
         if engine.last_batch is None:  # idle: jump to the next event
             wake = engine.next_wakeup()
             nxt = pending[i].arrival if i < len(pending) else None
