@@ -76,6 +76,21 @@ def test_one_instance_equals_the_single_engine_replay(policy):
     assert result.instances[0].busy_s == pytest.approx(sum(end - start for start, end, _ in engine.runner.batches))
 
 
+def test_frontend_delay_shifts_every_request_by_the_delay():
+    # A delay before the router is the same simulation with every arrival later by it, and each TTFT
+    # (from the client's send) longer by it.
+    requests = mix(150, rate=20.0, seed=3)
+    d = 0.03
+    config = ClusterConfig(instances=2, router=RouterConfig(policy="round_robin"))
+    delayed = simulate(requests, PROFILE, dataclasses.replace(config, frontend_delay_s=d))
+    shifted = simulate([dataclasses.replace(r, arrival=r.arrival + d) for r in requests], PROFILE, config)
+    assert [r.arrival for r in delayed.records] == [r.arrival for r in sorted(requests, key=lambda r: r.arrival)]
+    for a, b in zip(delayed.records, shifted.records):
+        assert a.ttft == pytest.approx(b.ttft + d, abs=1e-9) and a.e2e == pytest.approx(b.e2e + d, abs=1e-9)
+    with pytest.raises(ValueError):
+        ClusterConfig(frontend_delay_s=-1.0)
+
+
 def test_router_policy_is_called_and_decides():
     calls = Counter()
 

@@ -74,6 +74,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain", type=float, default=None,
                    help="stop this many simulated seconds after the last arrival (default: when all finish; "
                         "sweeps: 300)")
+    p.add_argument("--frontend-delay-ms", type=float, default=0.0,
+                   help="time from a client sending a request to the router placing it (HTTP, tokenizing, "
+                        "network); counts in TTFT")
     p.add_argument("--seed", type=int, default=0, help="prompt token ids and power_of_two's draws")
     p.add_argument("--out", default="sim-out", help="directory for summary.json, run.json and plots")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -156,7 +159,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         config = ClusterConfig(instances=args.instances, scheduler=args.scheduler,
                                router=RouterConfig(policy=args.router, seed=args.seed),
                                slo_factor=args.slo_factor, slo_floor_s=args.slo_floor_ms / 1000,
-                               drain_s=args.drain, seed=args.seed)
+                               drain_s=args.drain, seed=args.seed, frontend_delay_s=args.frontend_delay_ms / 1000)
     except (OSError, ValueError) as e:
         print(f"plaserve simulate: {e}", file=sys.stderr)
         return 2
@@ -212,6 +215,7 @@ def _report_run(result: SimResult, args: argparse.Namespace, profile: SimProfile
            "scaling": {"time_scale": args.time_scale, "rate": args.rate, "length_scale": args.length_scale,
                        "max_prompt_tokens": args.max_prompt_tokens, "max_output_tokens": args.max_output_tokens},
            "instances": args.instances, "router": args.router, "scheduler": args.scheduler,
+           "frontend_delay_s": args.frontend_delay_ms / 1000,
            "short_threshold": result.slo.short_threshold, "slo": result.slo.describe()}
     with open(os.path.join(args.out, "run.json"), "w") as f:
         json.dump(run, f, indent=2)

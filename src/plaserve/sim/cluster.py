@@ -68,7 +68,9 @@ class ClusterConfig:
     ``drain_s``: stop this long after the last arrival even if work is left (requests not finished
     then count as failed, as a client's timeout would); None runs until every request finishes.
     ``report_threshold``: prompts shorter than this are ``short`` in the report (None: the profile's
-    short threshold, the one the engines and the router use).
+    short threshold, the one the engines and the router use). ``frontend_delay_s``: how long a request
+    takes from the client to the router's decision (HTTP, tokenizing; in a real deployment also the
+    network); it counts in TTFT, and the engines see the request that much later.
     """
 
     instances: int = 1
@@ -79,11 +81,14 @@ class ClusterConfig:
     drain_s: float | None = None
     report_threshold: int | None = None
     seed: int = 0  # prompt token ids
+    frontend_delay_s: float = 0.0
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields on top of the profile's
 
     def __post_init__(self) -> None:
         if self.instances < 1:
             raise ValueError("instances must be at least 1")
+        if self.frontend_delay_s < 0:
+            raise ValueError("frontend_delay_s must not be negative")
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ class SimResult:
                              "instances": self.config.instances, "scheduler": self.config.scheduler,
                              "router": self.config.router.policy, "duration_s": self.duration_s,
                              "wall_s": self.wall_s, "events": self.events, "pool_resizes": self.pool_resizes,
-                             "slo": self.slo.describe()}
+                             "frontend_delay_s": self.config.frontend_delay_s, "slo": self.slo.describe()}
         return out
 
 
@@ -309,7 +314,7 @@ class ClusterSim:
         inst.clock.advance_to(t)
         for p in inst.inbox:
             params = SamplingParams(max_tokens=p.request.output_tokens, temperature=0, ignore_eos=True)
-            req = engine.add_request(p.prompt, params, arrival_time=p.request.arrival)
+            req = engine.add_request(p.prompt, params, arrival_time=p.request.arrival + self.config.frontend_delay_s)
             req.detokenizer = None  # no text in a simulation (module docstring)
             p.prompt = None
             inst.tracked[req.request_id] = p
@@ -363,10 +368,11 @@ class ClusterSim:
             m = out.metrics
             times = m.token_times
             rec.output_tokens = len(out.outputs[0].token_ids)
-            rec.ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
+            # From when the client sent it (the engine saw it frontend_delay_s later).
+            rec.ttft = None if m.first_token_time is None else m.first_token_time - req.arrival
             rec.tbts = [b - a for a, b in zip(times, times[1:])]
             if out.finished and m.finish_time is not None:
-                rec.e2e = m.finish_time - m.arrival_time
+                rec.e2e = m.finish_time - req.arrival
         return rec
 
     # --- the run ---------------------------------------------------------------------------------
@@ -382,15 +388,16 @@ class ClusterSim:
         self._offsets = list(itertools.accumulate((r.prompt_tokens for r in arrivals), initial=0))
         gen = torch.Generator().manual_seed(self.config.seed)
         self._tokens = torch.randint(0, self._vocab, (self._offsets[-1],), generator=gen, dtype=torch.int16)
-        stop_at = None if self.config.drain_s is None else last_arrival + self.config.drain_s
+        stop_at = None if self.config.drain_s is None else last_arrival + self.config.frontend_delay_s + self.config.drain_s
         hc = self.config.router
         self._push(0.0, POLL, None)
         self._push(0.0, TICK, None)
         heap, i, n = self._heap, 0, len(arrivals)
+        delay = self.config.frontend_delay_s  # each request reaches the router this long after it was sent
         t = 0.0
         limit = float("inf") if stop_at is None else stop_at
         while i < n or self.outstanding:
-            ta = arrivals[i].arrival if i < n else float("inf")
+            ta = arrivals[i].arrival + delay if i < n else float("inf")
             top = heap[0] if heap else None
             if top is not None and (top[0] < ta or (top[0] == ta and top[1] < ARRIVAL)):
                 t, prio, _, data = heapq.heappop(heap)
