@@ -41,10 +41,10 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 def pick_bucket_batch(items: Iterable[T], length: "callable[[T], int]", buckets: Sequence[int],
                       max_batch_for: "callable[[int], int]") -> tuple[list[T], int] | None:
-    """Group ``items`` (oldest first) into one bucket batch.
+    """Group ``items`` (in priority order: the pla scheduler's deadline order) into one bucket batch.
 
-    The bucket is that of the oldest item, so no short request is overtaken forever by a busier
-    bucket; the batch takes the oldest items of exactly that bucket (no cross-bucket padding), up to
+    The bucket is that of the first item, so no short request is overtaken forever by a busier
+    bucket; the batch takes the first items of exactly that bucket (no cross-bucket padding), up to
     ``max_batch_for(bucket)`` of them. Returns ``(items, bucket)``, or None if ``items`` is empty.
     """
     items = list(items)

@@ -206,7 +206,7 @@ class PlaScheduler(Scheduler):
         return min(window_end, slack_end)
 
     def next_wakeup(self, now: float) -> float | None:
-        self._now = now
+        self._now = now  # the plan's deadline checks read the time
         if self.running or self.long_pending():
             return now
         plan = self.short_batch_plan()
