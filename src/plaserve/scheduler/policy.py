@@ -202,7 +202,7 @@ class PlaScheduler(Scheduler):
         # Deadline slack: leave when waiting longer would leave less than one long chunk of margin
         # between the predicted finish and the tightest TTFT deadline.
         exec_time = self.cost.batch_time([(bucket or self._uncached(r), 0) for r in reqs])
-        slack_end = min(r.metrics.arrival_time + r.ttft_slo for r in reqs) - exec_time - self.long_chunk_time
+        slack_end = min(self.deadline(r) for r in reqs) - exec_time - self.long_chunk_time
         return min(window_end, slack_end)
 
     def next_wakeup(self, now: float) -> float | None:
