@@ -56,17 +56,23 @@ def _with_float32_rope(model: LlamaForCausalLM, device: torch.device) -> LlamaFo
     return model
 
 
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 name: str = DEFAULT_MODEL_NAME) -> LoadedModel:
+    """A model of shape ``cfg`` with deterministic random weights (see :func:`init_random_weights`) and the
+    byte-level tokenizer: the embedded default, or any shape a benchmark needs without a checkpoint."""
+    model = LlamaForCausalLM(cfg)
+    init_random_weights(model, seed)
+    model = _with_float32_rope(model.to(device=device, dtype=dtype), device).eval()
+    model.fuse_projections()
+    return LoadedModel(model, cfg, load_tokenizer(None), name, None, True)
+
+
 def load_model(path: str | None, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
     """Load ``path`` (a Hugging Face model directory) or, when None, build the embedded default."""
     if path is None:
         log.warning("no model given: using the embedded default model %s (RANDOM WEIGHTS, output is gibberish)",
                     DEFAULT_MODEL_NAME)
-        cfg = DEFAULT_CONFIG
-        model = LlamaForCausalLM(cfg)
-        init_random_weights(model, seed)
-        model = _with_float32_rope(model.to(device=device, dtype=dtype), device).eval()
-        model.fuse_projections()
-        return LoadedModel(model, cfg, load_tokenizer(None), DEFAULT_MODEL_NAME, None, True)
+        return random_model(DEFAULT_CONFIG, dtype, device, seed)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model directory {path!r} does not exist (plaserve loads local checkpoints only)")
     cfg = ModelConfig.from_pretrained(path)

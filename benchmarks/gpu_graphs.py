@@ -1,0 +1,292 @@
+"""The static ``(batch, bucket)`` grid on a GPU: capture, replay == eager, launch time, latency.
+
+Issue 3's GPU check, prepared to run once when a device is lent (one command, a few minutes):
+
+    PYTHONPATH=src python benchmarks/gpu_graphs.py --out /tmp/gpu_graphs
+
+It builds a ~0.5B-parameter Llama with random weights in bfloat16 on CUDA, captures the pla scheduler's
+grid as CUDA graphs (with a progress bar, timed, with the memory the graph pool takes), and then for
+every shape of batch 1-16 x bucket 64-512:
+
+* **exactness**: a right-padded batch of prompts (lengths in ``(bucket/2, bucket]``) through the graph
+  replay, through the same static buffers run eagerly, and through the varlen eager path (no padding):
+  the largest logit difference of the real rows, last-token argmax agreement, and the largest
+  difference of the K/V each path wrote;
+* **CPU launch time**: host time of one ``StaticRunner.run`` (input copies + ``graph.replay()``) against
+  the same call running the eager forward, no synchronisation inside the timed span, median of
+  ``--launch-reps``;
+* **latency**: one prefill step (``ModelRunner.execute``: pack, forward, logits of the last tokens,
+  sampling) timed end to end with synchronisation, median of ``--latency-reps``, for the graph, the
+  static eager path and the varlen eager path (what pla runs when padding does not pay).
+
+Prints a table and writes ``gpu_graphs.json`` (and the table as ``gpu_graphs.md``) under ``--out``.
+``--device cpu`` runs the same code on a small float32 model without capture (the graph columns read
+"-"); ``tests/benchmarks/test_gpu_graphs_smoke.py`` runs it that way so the script keeps working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from plaserve import EngineConfig, LLMEngine, SamplingParams
+from plaserve.engine.graphs import GraphGrid
+from plaserve.engine.runner import ModelRunner, pack
+from plaserve.model.config import ModelConfig
+from plaserve.model.default import DEFAULT_CONFIG
+from plaserve.model.loader import random_model
+from plaserve.scheduler.base import BatchItem, ScheduledBatch
+
+# Qwen2.5-0.5B's layer shapes as a plain Llama (no q/k/v bias) with a 32k vocabulary and an untied head.
+LLAMA_05B = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=896, intermediate_size=4864,
+    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What one run measures, and on what."""
+
+    model: ModelConfig
+    device: str
+    dtype: str
+    batches: tuple[int, ...]
+    buckets: tuple[int, ...]
+    launch_reps: int
+    latency_reps: int
+    kv_cache_memory: str
+
+
+GPU = Setup(LLAMA_05B, "cuda", "bfloat16", (1, 2, 4, 8, 16), (64, 128, 256, 512), 50, 20, "8GiB")
+CPU = Setup(DEFAULT_CONFIG, "cpu", "float32", (1, 2, 4), (64, 128), 3, 3, "256MiB")
+
+
+def build_engine(setup: Setup) -> LLMEngine:
+    """A pla engine with padded short batches and an uncaptured (eager) grid holding every measured shape."""
+    device = torch.device(setup.device)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[setup.dtype]
+    loaded = random_model(setup.model, dtype, device, name="random-llama")
+    config = EngineConfig.from_kwargs(
+        device=setup.device, dtype=setup.dtype, policy="pla", pad_short_batches="always", use_cuda_graphs=False,
+        kv_cache_memory=setup.kv_cache_memory, max_model_len=2048, enable_prefix_caching=False,
+        short_threshold=max(setup.buckets), max_short_batch=max(setup.batches),
+        # The default 2048-token cap on a short batch would leave out 8 x 512 and 16 x 256 and up.
+        max_num_batched_tokens=max(setup.batches) * max(setup.buckets))
+    return LLMEngine(config, loaded=loaded)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture_grid(engine: LLMEngine) -> tuple[GraphGrid | None, dict]:
+    """Capture the scheduler's whole grid as CUDA graphs (None on CPU), timed, with its memory."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    shapes = engine.scheduler.grid_shapes()
+    info: dict = {"shapes": len(shapes)}
+    if runner.device.type != "cuda":
+        return None, info
+    sync(runner.device)
+    reserved = torch.cuda.memory_reserved(runner.device)
+    start = time.perf_counter()
+    try:
+        grid = GraphGrid(runner.model, runner.kv_caches, shapes, runner.block_size, runner.device, capture=True)
+        sync(runner.device)
+    except Exception as exc:  # noqa: BLE001 - a one-shot device run reports the failure and goes on eager
+        info["capture_error"] = f"{type(exc).__name__}: {exc}"
+        return None, info
+    info.update(capture_s=time.perf_counter() - start,
+                graph_pool_mib=(torch.cuda.memory_reserved(runner.device) - reserved) / 2**20)
+    return grid, info
+
+
+def start_batch(engine: LLMEngine, batch: int, bucket: int, gen: torch.Generator) -> ScheduledBatch:
+    """``batch`` new prompts of random lengths in ``(bucket/2, bucket]``, admitted, as one short batch."""
+    items = []
+    for _ in range(batch):
+        n = int(torch.randint(bucket // 2 + 1, bucket + 1, (1,), generator=gen))
+        ids = torch.randint(0, engine.model_config.vocab_size, (n,), generator=gen).tolist()
+        req = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
+        assert engine.scheduler.try_start(req, n) == n, "KV cache too small for the batch"
+        items.append(BatchItem(req, n))
+    return ScheduledBatch(items, kind="short", bucket=bucket)
+
+
+def release(engine: LLMEngine, batch: ScheduledBatch) -> None:
+    for it in batch.items:
+        engine.abort(it.request.request_id)
+
+
+def kv_of(engine: LLMEngine, batch: ScheduledBatch) -> torch.Tensor:
+    """K and V of every layer at the batch's real tokens, ``[layers, 2, tokens, heads, dim]``."""
+    bs = engine.config.block_size
+    slots = torch.tensor([it.request.block_table[p // bs] * bs + p % bs
+                          for it in batch.items for p in range(it.num_tokens)], device=engine.device)
+    return torch.stack([torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]])
+                        for k, v in engine.runner.kv_caches])
+
+
+def path_outputs(engine: LLMEngine, batch: ScheduledBatch, grid: GraphGrid | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the real (unpadded) rows and the K/V written, running ``batch`` through ``grid``
+    (padded), or through the varlen eager path when ``batch.bucket`` is None."""
+    runner = engine.runner
+    runner.grid = grid
+    logits = runner.logits(batch).float()
+    if batch.bucket is not None:  # drop each prompt's padding rows
+        logits = torch.cat([logits[i * batch.bucket:i * batch.bucket + it.num_tokens]
+                            for i, it in enumerate(batch.items)])
+    return logits, kv_of(engine, batch).float()
+
+
+def compare(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], batch: ScheduledBatch) -> dict:
+    """Largest logit and K/V differences, and how many prompts' last-token argmax agree."""
+    last = torch.tensor([sum(it.num_tokens for it in batch.items[:i + 1]) - 1 for i in range(len(batch.items))])
+    agree = (a[0][last].argmax(-1) == b[0][last].argmax(-1)).sum().item()
+    return {"logit_max_diff": (a[0] - b[0]).abs().max().item(), "kv_max_diff": (a[1] - b[1]).abs().max().item(),
+            "argmax_agree": f"{agree}/{len(batch.items)}"}
+
+
+def median_time(fn: Callable[[], object], reps: int, device: torch.device, inner_sync: bool) -> float:
+    """Median seconds of ``fn()``; synchronised before each call, and inside the timed span only when
+    ``inner_sync`` (end-to-end latency) rather than host time alone (launch cost)."""
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        if inner_sync:
+            sync(device)
+        times.append(time.perf_counter() - start)
+        sync(device)
+    return statistics.median(times)
+
+
+def measure_shape(engine: LLMEngine, grids: dict[str, GraphGrid | None], batch_size: int, bucket: int,
+                  setup: Setup, gen: torch.Generator) -> dict:
+    """Every column of one ``(batch, bucket)`` row."""
+    runner, device = engine.runner, engine.device
+    batch = start_batch(engine, batch_size, bucket, gen)
+    varlen = dataclasses.replace(batch, bucket=None)
+    row: dict = {"batch": batch_size, "bucket": bucket, "tokens": sum(it.num_tokens for it in batch.items)}
+    with torch.inference_mode():
+        eager = path_outputs(engine, batch, grids["eager"])
+        alone = path_outputs(engine, varlen, None)
+        row["eager_vs_varlen"] = compare(eager, alone, batch)
+        if grids["graph"] is not None:
+            graph = path_outputs(engine, batch, grids["graph"])
+            row["graph_vs_eager"] = compare(graph, eager, batch)
+            row["graph_vs_varlen"] = compare(graph, alone, batch)
+
+        packed = pack(batch, engine.config.block_size, device)
+        for name, grid in grids.items():
+            if grid is None:
+                continue
+            static = grid.lookup(batch_size, bucket)
+            assert static is not None and static.batch == batch_size, f"grid lacks ({batch_size}, {bucket})"
+            row[f"launch_us_{name}"] = 1e6 * median_time(
+                lambda: static.run(packed.input_ids, packed.positions, packed.meta.slot_mapping, batch_size),
+                setup.launch_reps, device, inner_sync=False)
+            runner.grid = grid
+            row[f"latency_ms_{name}"] = 1e3 * median_time(lambda: runner.execute(batch), setup.latency_reps, device,
+                                                          inner_sync=True)
+        row["latency_ms_varlen"] = 1e3 * median_time(lambda: runner.execute(varlen), setup.latency_reps, device,
+                                                     inner_sync=True)
+    release(engine, batch)
+    return row
+
+
+def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
+    """Build, capture, measure every shape; returns everything the table shows."""
+    start = time.perf_counter()
+    engine = build_engine(setup)
+    progress(f"model built in {time.perf_counter() - start:.1f} s")
+    grids: dict[str, GraphGrid | None] = {"eager": engine.runner.grid}
+    grids["graph"], capture = capture_grid(engine)
+    progress(f"grid: {capture}")
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for bucket in setup.buckets:
+        for batch in setup.batches:
+            rows.append(measure_shape(engine, grids, batch, bucket, setup, gen))
+            progress(f"({batch}, {bucket}) done")
+    leaked = engine.allocator.num_used_blocks
+    device = engine.device
+    return {"setup": dataclasses.asdict(setup),
+            "model": {"params": setup.model.num_params, "layers": setup.model.num_hidden_layers,
+                      "hidden": setup.model.hidden_size, "vocab": setup.model.vocab_size},
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "capture": capture, "rows": rows, "kv_blocks_leaked": leaked}
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(results: dict) -> str:
+    """The markdown report: one header paragraph, one row per shape."""
+    m, cap = results["model"], results["capture"]
+    head = (f"Model: random-weight Llama, {m['params'] / 1e9:.2f} B parameters ({m['layers']} layers, hidden "
+            f"{m['hidden']}, vocab {m['vocab']}), {results['setup']['dtype']} on {results['device_name']}, "
+            f"torch {results['torch']}. ")
+    if "capture_s" in cap:
+        head += (f"Captured {cap['shapes']} grid shapes in {cap['capture_s']:.1f} s; the graph pool takes "
+                 f"{cap['graph_pool_mib']:.0f} MiB.")
+    elif "capture_error" in cap:
+        head += f"Capturing {cap['shapes']} grid shapes FAILED ({cap['capture_error']}): the graph columns read \"-\"."
+    else:
+        head += f"{cap['shapes']} grid shapes, not captured (no CUDA): the graph columns read \"-\"."
+    lines = [head, "",
+             "| batch | bucket | tokens | graph vs eager: max dlogit | dKV | graph vs varlen: max dlogit | argmax "
+             "| eager vs varlen: max dlogit | launch us graph | eager | latency ms graph | eager | varlen "
+             "| eager / graph | varlen / graph |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        ge, gv, ev = r.get("graph_vs_eager", {}), r.get("graph_vs_varlen", {}), r["eager_vs_varlen"]
+        lg = r.get("latency_ms_graph")
+        lines.append(" | ".join([
+            f"| {r['batch']}", str(r["bucket"]), str(r["tokens"]), fmt(ge.get("logit_max_diff"), ".2e"),
+            fmt(ge.get("kv_max_diff"), ".2e"), fmt(gv.get("logit_max_diff"), ".2e"), gv.get("argmax_agree", "-"),
+            fmt(ev["logit_max_diff"], ".2e"), fmt(r.get("launch_us_graph"), ".0f"), fmt(r["launch_us_eager"], ".0f"),
+            fmt(lg, ".2f"), fmt(r["latency_ms_eager"], ".2f"), fmt(r["latency_ms_varlen"], ".2f"),
+            fmt(r["latency_ms_eager"] / lg if lg else None, ".2f"),
+            fmt(r["latency_ms_varlen"] / lg if lg else None, ".2f") + " |"]))
+    lines.append("")
+    lines.append("dlogit / dKV: largest absolute difference over the real tokens' logits / K and V. Launch: host "
+                 "time of one static-runner call, not synchronised. Latency: one whole prefill step, synchronised.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=None, help="folder for gpu_graphs.json and gpu_graphs.md")
+    parser.add_argument("--launch-reps", type=int, default=None)
+    parser.add_argument("--latency-reps", type=int, default=None)
+    args = parser.parse_args(argv)
+    setup = GPU if args.device == "cuda" else CPU
+    setup = dataclasses.replace(setup, launch_reps=args.launch_reps or setup.launch_reps,
+                                latency_reps=args.latency_reps or setup.latency_reps)
+    results = run(setup, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    report = table(results)
+    print(report)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_graphs.json").write_text(json.dumps(results, indent=1))
+        (args.out / "gpu_graphs.md").write_text(report + "\n")
+    return 1 if results["kv_blocks_leaked"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
