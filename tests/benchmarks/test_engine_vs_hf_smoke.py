@@ -7,31 +7,16 @@ acceptance benchmark keeps working as the engine changes.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "engine_vs_hf.py"
 
-
-def load_script() -> ModuleType:
-    """Import the benchmark script by path (``benchmarks/`` is not a package)."""
-    spec = importlib.util.spec_from_file_location("engine_vs_hf", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_quick_run_has_every_row(tmp_path: Path) -> None:
-    bench = load_script()
+def test_quick_run_has_every_row(load_benchmark, tmp_path: Path) -> None:
+    bench = load_benchmark("engine_vs_hf")
     # Smaller still than --quick, to keep the test to a few seconds.
     sizes = dataclasses.replace(bench.QUICK, prefill_lengths=(8, 16, 32), flop_length=32, peak_size=128,
                                 num_requests=3, prompt_range=(4, 16), output_range=(2, 4))

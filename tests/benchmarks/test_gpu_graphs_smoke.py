@@ -8,26 +8,12 @@ and write its report, so that the one device run it is prepared for does not fai
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_graphs.py"
 
 
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_graphs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_cpu_run_checks_every_shape(tmp_path: Path) -> None:
-    bench = load_script()
+def test_cpu_run_checks_every_shape(load_benchmark) -> None:
+    bench = load_benchmark("gpu_graphs")
     model = dataclasses.replace(bench.CPU.model, num_hidden_layers=2)
     setup = dataclasses.replace(bench.CPU, model=model, batches=(1, 2), buckets=(32, 64), launch_reps=1, latency_reps=1)
     results = bench.run(setup)
@@ -47,8 +33,8 @@ def test_cpu_run_checks_every_shape(tmp_path: Path) -> None:
     assert report.count("\n| 1 |") + report.count("\n| 2 |") == 4 and "not captured" in report
 
 
-def test_main_writes_the_report(tmp_path: Path) -> None:
-    bench = load_script()
+def test_main_writes_the_report(load_benchmark, tmp_path: Path) -> None:
+    bench = load_benchmark("gpu_graphs")
     tiny = dataclasses.replace(bench.CPU, model=dataclasses.replace(bench.CPU.model, num_hidden_layers=1),
                                batches=(1,), buckets=(32,))
     bench.CPU = tiny  # main() picks the CPU setup without CUDA
