@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 
 from plaserve.bench.client import ClientConfig, run_requests
-from plaserve.bench.report import format_table, plot, summarize
+from plaserve.bench.report import format_table, plot, summarize, write_run
 from plaserve.bench.slo import TtftSlo
 from plaserve.bench.trace import load_trace, scale_requests, synthetic_bimodal
 
@@ -79,17 +78,10 @@ def run_bench(args: argparse.Namespace) -> int:
     print(result.slo.describe())
     summary = summarize(result.records, result.duration_s)
     print(format_table(summary))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     run = {"url": cfg.url, "model": result.model, "source": source, "num_requests": len(requests),
            "duration_s": result.duration_s, "max_model_len": result.max_model_len, "scaling": scaling,
            "short_threshold": args.short_threshold, "slo": result.slo.describe()}
-    with open(os.path.join(args.out, "run.json"), "w") as f:
-        json.dump(run, f, indent=2)
-    with open(os.path.join(args.out, "requests.jsonl"), "w") as f:
-        for r in result.records:
-            f.write(json.dumps(r.as_dict()) + "\n")
+    write_run(args.out, summary, run, result.records)
     if not args.no_plots:
         for path in plot(result.records, args.out):
             print(f"wrote {path}")

@@ -8,6 +8,7 @@ successful requests; a failed request counts as an SLO violation. Missing data i
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Sequence
@@ -100,6 +101,18 @@ def format_table(summary: dict) -> str:
             f"{s['goodput_req_s']:>8.2f}")
     lines.append("times in ms; TBT = gap between streamed chunks; goodput = requests meeting their TTFT SLO per second")
     return "\n".join(lines)
+
+
+def write_run(out_dir: str, summary: dict, run: dict, records: Sequence[RequestRecord]) -> None:
+    """Write a run's ``summary.json``, ``run.json`` (what was run) and ``requests.jsonl`` (one record a
+    line) to ``out_dir``: the files ``plaserve bench`` and ``plaserve simulate`` both leave."""
+    os.makedirs(out_dir, exist_ok=True)
+    for name, data in (("summary.json", summary), ("run.json", run)):
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(data, f, indent=2)
+    with open(os.path.join(out_dir, "requests.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r.as_dict()) + "\n")
 
 
 def plot(records: Sequence[RequestRecord], out_dir: str) -> list[str]:

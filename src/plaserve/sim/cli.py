@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from plaserve.bench.report import format_table, plot
+from plaserve.bench.report import format_table, plot, write_run
 from plaserve.bench.trace import TraceRequest, load_trace
 from plaserve.router.config import POLICIES as ROUTER_POLICIES
 from plaserve.router.config import RouterConfig
@@ -208,8 +208,6 @@ def _report_run(result: SimResult, args: argparse.Namespace, profile: SimProfile
     print(instance_table(result))
     print(f"simulated {result.duration_s:.1f} s in {result.wall_s:.1f} s wall ({result.events} events)"
           + (" [ANALYTIC profile]" if profile.analytic else ""))
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     run = {"trace": args.trace, "start": args.start, "num_requests": len(result.records),
            "duration_s": result.duration_s, "profile": profile.describe(),
            "scaling": {"time_scale": args.time_scale, "rate": args.rate, "length_scale": args.length_scale,
@@ -217,11 +215,7 @@ def _report_run(result: SimResult, args: argparse.Namespace, profile: SimProfile
            "instances": args.instances, "router": args.router, "scheduler": args.scheduler,
            "frontend_delay_s": args.frontend_delay_ms / 1000,
            "short_threshold": result.slo.short_threshold, "slo": result.slo.describe()}
-    with open(os.path.join(args.out, "run.json"), "w") as f:
-        json.dump(run, f, indent=2)
-    with open(os.path.join(args.out, "requests.jsonl"), "w") as f:
-        for r in result.records:
-            f.write(json.dumps(r.as_dict()) + "\n")
+    write_run(args.out, summary, run, result.records)
     if not args.no_plots:
         for path in [*plot(result.records, args.out), plot_instances(result, args.out)]:
             print(f"wrote {path}")
