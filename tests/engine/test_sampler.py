@@ -1,11 +1,12 @@
-"""Sampler filters and distributions."""
+"""Sampler filters, distributions and penalties."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from plaserve.engine.request import SamplingParams
-from plaserve.engine.sampler import _filter_top_k_top_p, sample
+from plaserve.engine.request import Request, SamplingParams
+from plaserve.engine.sampler import _filter_top_k_top_p, apply_penalties, sample
 
 
 def test_greedy_picks_argmax():
@@ -34,3 +35,50 @@ def test_sampling_frequencies_follow_temperature():
     share = sum(draws) / len(draws)
     expected = torch.softmax(torch.tensor([0.0, 1.0]), -1)[1].item()  # 0.731
     assert abs(share - expected) < 0.04
+
+
+def request(prompt: list[int], output: list[int], eos: tuple[int, ...] = (), **params) -> Request:
+    req = Request(prompt, SamplingParams(**params), eos_token_ids=eos)
+    req.output_token_ids = list(output)
+    return req
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 2.0]])
+    out = apply_penalties(logits.clone(), [request([0, 1], [3], repetition_penalty=2.0)])
+    # Seen tokens 0, 1 (prompt) and 3 (output): positive logits halve, negative ones double.
+    assert out.tolist() == [[1.0, -4.0, 2.0, -4.0, 2.0]]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 4)
+    out = apply_penalties(logits, [request([2, 2, 2], [1, 1, 3], presence_penalty=0.5, frequency_penalty=0.25)])
+    # token 1: twice (0.5 + 2 * 0.25); token 3: once (0.5 + 0.25); prompt token 2: untouched.
+    assert out.tolist() == [[0.0, -1.0, 0.0, -0.75]]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    logits = torch.zeros(2, 6)
+    reqs = [request([1], [4], eos=(2,), min_tokens=2, stop_token_ids=[5]),
+            request([1], [4, 4], eos=(2,), min_tokens=2, stop_token_ids=[5])]
+    out = apply_penalties(logits, reqs)
+    assert torch.isinf(out[0]).tolist() == [False, False, True, False, False, True]
+    assert not torch.isinf(out[1]).any()  # two tokens out: eos and stop ids are allowed again
+
+
+def test_rows_without_penalties_are_untouched():
+    logits = torch.randn(2, 8)
+    assert torch.equal(apply_penalties(logits.clone(), [request([1, 2], [3]), request([4], [5, 6])]), logits)
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    kept = torch.isfinite(_filter_top_k_top_p(probs.log(), -1, 1.0, min_p=0.35))
+    assert kept.tolist() == [True, True, False, False]  # 0.15 < 0.35 * 0.5
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
+                                 dict(min_p=1.5), dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1)])
+def test_out_of_range_sampling_params_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

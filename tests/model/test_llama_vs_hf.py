@@ -64,3 +64,44 @@ def test_batched_greedy_generation_matches_transformers(ckpt, request):
     ref = hf_model(path)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(ref, prompt, 32)
+
+
+def test_penalised_greedy_generation_matches_transformers(llama_ckpt):
+    """Repetition penalty and min_tokens against transformers' own logits processors."""
+    prompt = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = hf_model(llama_ckpt)
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512)
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.8))
+    expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=16,
+                            min_new_tokens=16, do_sample=False, pad_token_id=0, repetition_penalty=1.8)[0, 24:].tolist()
+    assert out[0].token_ids == expected and expected != hf_greedy(ref, prompt, 16)  # the penalty changed the text
+
+    # min_tokens: make the first unpenalised greedy token the eos; it may not end the request before 3 tokens.
+    eos = hf_greedy(ref, prompt, 1)[0]
+    engine = llm.engine
+    req = engine.add_request(prompt, SamplingParams(max_tokens=12, min_tokens=3, temperature=0))
+    req.eos_token_ids = (eos,)
+    while engine.has_unfinished():
+        engine.step()
+    expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=12,
+                            min_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=eos)[0, 24:].tolist()
+    assert req.output_token_ids == expected and eos not in expected[:3]
+
+
+def test_presence_and_frequency_penalties_match_a_reference_loop(llama_ckpt):
+    """transformers has no presence/frequency penalties: the reference applies OpenAI's formula by hand
+    to transformers' logits, one token at a time."""
+    prompt = torch.randint(0, 300, (16,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref = hf_model(llama_ckpt)
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(16):
+            logits = ref(torch.tensor([ids])).logits[0, -1]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+            token = int((logits - 0.7 * counts - 1.5 * (counts > 0).float()).argmax())
+            ids.append(token)
+            out.append(token)
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, frequency_penalty=0.7, presence_penalty=1.5)
+    assert llm.generate([prompt], params)[0].token_ids == out
+    assert len(set(out)) > len(set(hf_greedy(ref, prompt, 16)))  # fewer repeats than without the penalties

@@ -49,6 +49,22 @@ def test_completion_matches_offline_engine(client: openai.OpenAI, offline: LLM) 
     assert resp.usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_penalties_reach_the_engine(client: openai.OpenAI, offline: LLM) -> None:
+    """OpenAI's presence/frequency penalties and vLLM's extras (repetition_penalty, min_p, min_tokens)
+    give what the offline engine gives with the same SamplingParams."""
+    model = client.models.list().data[0].id
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.6)
+    extras = dict(repetition_penalty=1.3, min_p=0.05, min_tokens=4)
+    text, _, _ = _offline_text(offline, PROMPT, 12, **penalties, **extras)
+    plain, _, _ = _offline_text(offline, PROMPT, 12)
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, **penalties,
+                                     extra_body=extras)
+    assert resp.choices[0].text == text != plain
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+                                          temperature=0.0, **penalties, extra_body=extras)
+    assert chat.usage.completion_tokens >= 4  # min_tokens
+
+
 def test_prompt_cache_hits_are_reported_as_cached_tokens(client: openai.OpenAI) -> None:
     prompt = list(range(10, 10 + 40))  # 2 full blocks of 16 the second time
     first = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1)

@@ -290,6 +290,8 @@ class LLMEngine:
         """Why ``req`` stops after ``token`` (None: it goes on). ``checked``: text length already
         searched for stop strings on earlier tokens."""
         p = req.params
+        if len(req.output_token_ids) < p.min_tokens:  # nothing but the length limit ends it yet
+            return "length" if req.num_tokens >= self.max_model_len else None
         if token in req.eos_token_ids:
             return "stop"
         if token in p.stop_token_ids:

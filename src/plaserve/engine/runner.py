@@ -10,7 +10,7 @@ import torch
 from plaserve.engine.attention import AttentionMetadata, PrefillSeq
 from plaserve.engine.graphs import GraphGrid
 from plaserve.engine.kv_cache import NULL_BLOCK
-from plaserve.engine.sampler import sample
+from plaserve.engine.sampler import apply_penalties, sample
 from plaserve.model.llama import LlamaForCausalLM
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
@@ -168,8 +168,8 @@ class ModelRunner:
         hidden, packed = self._forward(batch)
         if not packed.sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[packed.sample_rows])
         reqs = [batch.items[i].request for i in packed.sample_items]
+        logits = apply_penalties(self.model.compute_logits(hidden[packed.sample_rows]), reqs)
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         return dict(zip(packed.sample_items, tokens))
 

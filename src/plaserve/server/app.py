@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -83,8 +84,8 @@ class _Handlers:
     @staticmethod
     def _params(s: SamplingFields, max_tokens: int) -> SamplingParams:
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                  seed=s.seed, stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos)
+            fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "max_tokens"}
+            return SamplingParams(max_tokens=max_tokens, **fields)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 

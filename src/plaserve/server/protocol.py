@@ -5,7 +5,7 @@ model. Checks that need the model (prompt length, vocabulary) live in :mod:`plas
 
 Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
 report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
-Unknown fields are ignored, as OpenAI clients send extras (``user``, ``presence_penalty`` at 0, ...).
+Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata``, ...).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class SamplingFields:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,19 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     if any(s == "" for s in stop):
         raise ApiError(400, "stop strings must not be empty", param="stop")
     stop_ids = body.get("stop_token_ids")
+    penalties = {name: _opt_float(body, name, default) for name, default in
+                 (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_p", 0.0))}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= penalties[name] <= 2:
+            raise ApiError(400, f"'{name}' must be in [-2, 2], got {penalties[name]}", param=name)
+    if penalties["repetition_penalty"] <= 0:
+        raise ApiError(400, f"'repetition_penalty' must be positive, got {penalties['repetition_penalty']}",
+                       param="repetition_penalty")
+    if not 0 <= penalties["min_p"] <= 1:
+        raise ApiError(400, f"'min_p' must be in [0, 1], got {penalties['min_p']}", param="min_p")
+    min_tokens = _opt_int(body, "min_tokens", 0)
+    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise ApiError(400, f"'min_tokens' must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -194,6 +212,8 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
         stop=stop,
         stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
         ignore_eos=_opt_bool(body, "ignore_eos", False),
+        min_tokens=min_tokens,
+        **penalties,
     )
 
 
