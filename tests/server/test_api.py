@@ -65,6 +65,44 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, offline: LLM) -> None
     assert chat.usage.completion_tokens >= 4  # min_tokens
 
 
+def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:
+    """n choices per prompt, indexed prompt by prompt; seeded choices differ from each other and
+    repeat across requests; the prompt counts once in usage."""
+    model = client.models.list().data[0].id
+    prompts = [[5, 6, 7, 8, 9], [100, 101, 102]]
+    resp = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=6, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    for k, prompt in enumerate(prompts):
+        text, _, _ = _offline_text(offline, prompt, 6, ignore_eos=True)
+        assert resp.choices[2 * k].text == resp.choices[2 * k + 1].text == text  # greedy: the same twice
+    assert resp.usage.prompt_tokens == 5 + 3 and resp.usage.completion_tokens == 4 * 6
+
+    sampled = dict(model=model, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=11,
+                   extra_body={"ignore_eos": True})
+    first, again = client.completions.create(**sampled), client.completions.create(**sampled)
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices] and len(set(texts)) > 1
+    assert first.usage.completion_tokens == 4 * 8
+
+
+def test_streamed_chat_with_n_choices_equals_the_whole_response(client: openai.OpenAI) -> None:
+    args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], n=3,
+                max_tokens=8, temperature=1.0, seed=5)
+    whole = client.chat.completions.create(**args)
+    streamed = {i: "" for i in range(3)}
+    roles, reasons = set(), {}
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert roles == {0, 1, 2} and reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert streamed == {c.index: c.message.content for c in whole.choices}
+
+
 def test_prompt_cache_hits_are_reported_as_cached_tokens(client: openai.OpenAI) -> None:
     prompt = list(range(10, 10 + 40))  # 2 full blocks of 16 the second time
     first = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1)

@@ -82,10 +82,13 @@ class _Handlers:
         return parse_json_object(await request.body())
 
     @staticmethod
-    def _params(s: SamplingFields, max_tokens: int) -> SamplingParams:
+    def _params(s: SamplingFields, max_tokens: int) -> list[SamplingParams]:
+        """The engine parameters of the ``n`` choices of one prompt. Choice ``j`` of a seeded request
+        samples with seed ``seed + j``: the choices differ, and the request stays reproducible."""
+        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("n", "max_tokens")}
         try:
-            fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "max_tokens"}
-            return SamplingParams(max_tokens=max_tokens, **fields)
+            return [SamplingParams(**{**fields, "max_tokens": max_tokens,
+                                      "seed": None if s.seed is None else s.seed + j}) for j in range(s.n)]
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
@@ -99,14 +102,15 @@ class _Handlers:
             max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
             if req.sampling.max_tokens is None:
                 max_tokens = min(max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
-            prompts.append(ids)
-            params.append(self._params(req.sampling, max_tokens))
+            choices = self._params(req.sampling, max_tokens)  # choice k * n + j: prompt k, sample j
+            prompts += [ids] * len(choices)
+            params += choices
         rid = f"cmpl-{uuid.uuid4().hex}"
         gen = Generation.submit(self.loop, rid, prompts, params)
         if req.stream:
-            return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling.stop))
+            return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling))
         outputs = await self._wait(request, gen)
-        return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs))
+        return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n))
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat_request(await self._body(request))
@@ -114,11 +118,11 @@ class _Handlers:
         ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation.submit(self.loop, rid, [ids], [self._params(req.sampling, max_tokens)])
+        gen = Generation.submit(self.loop, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens))
         if req.stream:
-            return EventStreamResponse(self._stream_chat(gen, rid, req.include_usage, req.sampling.stop))
+            return EventStreamResponse(self._stream_chat(gen, rid, req.include_usage, req.sampling))
         outputs = await self._wait(request, gen)
-        return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs))
+        return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n))
 
     async def _wait(self, request: Request, gen: Generation) -> list:
         try:
@@ -129,9 +133,9 @@ class _Handlers:
             gen.close()
 
     async def _stream_completion(self, gen: Generation, rid: str, include_usage: bool,
-                                 stops: tuple[str, ...]) -> AsyncIterator[str]:
+                                 sampling: SamplingFields) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
-        trackers = [DeltaTracker(stops) for _ in gen.submissions]
+        trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
         try:
             async for batch in gen.updates():
                 for i, out in sorted(batch.items()):
@@ -139,7 +143,7 @@ class _Handlers:
                     reason = out.outputs[0].finish_reason if out.finished else None
                     yield R.sse(R.completion_chunk(rid, created, name, i, text, reason, include_usage))
             if include_usage:
-                yield R.sse(R.usage_chunk(rid, created, name, "text_completion", list(gen.final.values())))
+                yield R.sse(R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n))
         except ApiError as e:  # headers are sent already: report the error in the stream
             self.loop.metrics.count_error(e.status)
             yield R.sse(e.body())
@@ -148,18 +152,20 @@ class _Handlers:
         yield R.DONE
 
     async def _stream_chat(self, gen: Generation, rid: str, include_usage: bool,
-                           stops: tuple[str, ...]) -> AsyncIterator[str]:
+                           sampling: SamplingFields) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
-        tracker = DeltaTracker(stops)
+        trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
         try:
-            yield R.sse(R.chat_chunk(rid, created, name, 0, {"role": "assistant", "content": ""}, None, include_usage))
+            for i in range(len(trackers)):  # each choice opens with the role, as OpenAI's streams do
+                yield R.sse(R.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}, None,
+                                         include_usage))
             async for batch in gen.updates():
-                out = batch[0]
-                text = tracker.delta(out.outputs[0].text, out.finished)
-                reason = out.outputs[0].finish_reason if out.finished else None
-                yield R.sse(R.chat_chunk(rid, created, name, 0, {"content": text}, reason, include_usage))
+                for i, out in sorted(batch.items()):
+                    text = trackers[i].delta(out.outputs[0].text, out.finished)
+                    reason = out.outputs[0].finish_reason if out.finished else None
+                    yield R.sse(R.chat_chunk(rid, created, name, i, {"content": text}, reason, include_usage))
             if include_usage:
-                yield R.sse(R.usage_chunk(rid, created, name, "chat.completion.chunk", list(gen.final.values())))
+                yield R.sse(R.usage_chunk(rid, created, name, "chat.completion.chunk", gen.outputs(), sampling.n))
         except ApiError as e:
             self.loop.metrics.count_error(e.status)
             yield R.sse(e.body())

@@ -79,11 +79,15 @@ class Generation:
                     break
             yield batch
 
+    def outputs(self) -> list[RequestOutput]:
+        """The final output of every choice, in choice order (once :attr:`done`)."""
+        return [self.final[i] for i in range(len(self.submissions))]
+
     async def result(self) -> list[RequestOutput]:
         """Wait for every choice to finish; outputs in choice order."""
         async for _ in self.updates():
             pass
-        return [self.final[i] for i in range(len(self.submissions))]
+        return self.outputs()
 
     def close(self) -> None:
         """Abort every engine request that has not finished (idempotent)."""

@@ -18,13 +18,15 @@ from plaserve.server.errors import ApiError
 
 Prompt = str | list[int]
 _MISSING = object()
+MAX_N = 128  # choices per prompt (OpenAI's limit for chat)
 
 
 @dataclass(frozen=True)
 class SamplingFields:
     """The sampling and stopping fields shared by completions and chat (``max_tokens`` None: the
-    endpoint's default)."""
+    endpoint's default), and ``n``, the choices to generate per prompt."""
 
+    n: int = 1
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -162,11 +164,11 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
                 raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
             break
     n = _opt_int(body, "n", 1)
-    if n != 1:
-        raise ApiError(400, f"only n = 1 is supported, got n = {n}", param="n")
-    best_of = _opt_int(body, "best_of", 1)
-    if best_of not in (None, 1):
-        raise ApiError(400, f"only best_of = 1 is supported, got {best_of}", param="best_of")
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+    best_of = _opt_int(body, "best_of", n)
+    if best_of != n:  # best_of > n would rank by cumulative logprob, which plaserve does not compute
+        raise ApiError(400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of")
     if body.get("logprobs") not in (None, False) or body.get("echo") not in (None, False):
         raise ApiError(400, "logprobs and echo are not supported", param="logprobs")
     temperature = _opt_float(body, "temperature", 1.0)
@@ -204,6 +206,7 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise ApiError(400, f"'min_tokens' must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
     return SamplingFields(
+        n=n,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

@@ -15,11 +15,14 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """Token counts over a request's choices; ``cached_tokens`` came from the prefix cache."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
+    """Token counts over a request's choices, ``n`` consecutive ones per prompt: each prompt counts once
+    (as OpenAI and vLLM count it), every choice's output counts. ``cached_tokens`` came from the prefix
+    cache, counted on each prompt's first choice."""
+    firsts = outputs[::n]
+    prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
-    cached = sum(o.num_cached_tokens for o in outputs)
+    cached = sum(o.num_cached_tokens for o in firsts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -28,21 +31,21 @@ def _stop_reason(out: RequestOutput) -> str | int | None:
     return out.outputs[0].stop_reason
 
 
-def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
     """The body of a finished ``/v1/completions`` request."""
     choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
                 "stop_reason": _stop_reason(o)} for i, o in enumerate(outputs)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(outputs)}
+            "usage": usage(outputs, n)}
 
 
-def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
     """The body of a finished ``/v1/chat/completions`` request."""
     choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text}, "logprobs": None,
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)}
                for i, o in enumerate(outputs)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(outputs)}
+            "usage": usage(outputs, n)}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
@@ -65,6 +68,7 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, 
     return chunk
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def usage_chunk(rid: str, created: int, model: str, obj: str, outputs: Sequence[RequestOutput],
+                n: int = 1) -> dict[str, Any]:
     """The last chunk of a stream with ``include_usage``: no choices, the usage of the whole request."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outputs)}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outputs, n)}
