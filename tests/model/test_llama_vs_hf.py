@@ -105,3 +105,20 @@ def test_presence_and_frequency_penalties_match_a_reference_loop(llama_ckpt):
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, frequency_penalty=0.7, presence_penalty=1.5)
     assert llm.generate([prompt], params)[0].token_ids == out
     assert len(set(out)) > len(set(hf_greedy(ref, prompt, 16)))  # fewer repeats than without the penalties
+
+
+def test_logprobs_match_transformers(llama_ckpt):
+    """Each sampled token's log-probability and the top ones, against transformers' raw logits."""
+    prompt = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(7)).tolist()
+    ref = hf_model(llama_ckpt).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 20, dtype=torch.long),
+                                        max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
+                                        output_logits=True, return_dict_in_generate=True)
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512)
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))[0]
+    assert out.token_ids == ref.sequences[0, 20:].tolist()
+    for entry, logits in zip(out.outputs[0].logprobs, ref.logits):
+        logp = logits[0].log_softmax(-1)
+        top = torch.topk(logp, 3)
+        assert entry.logprob == pytest.approx(logp[entry.token_id].item(), abs=1e-5)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-5)

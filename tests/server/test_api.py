@@ -103,6 +103,41 @@ def test_streamed_chat_with_n_choices_equals_the_whole_response(client: openai.O
     assert streamed == {c.index: c.message.content for c in whole.choices}
 
 
+def test_completion_logprobs_match_the_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
+    model = client.models.list().data[0].id
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    args = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=3, extra_body={"ignore_eos": True})
+    lp = client.completions.create(**args).choices[0].logprobs
+    expected = ref.outputs[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    for got, want, top in zip(lp.token_logprobs, expected, lp.top_logprobs):
+        assert got == pytest.approx(want.logprob, abs=1e-4)
+        assert len(top) >= 3 and max(top.values()) == pytest.approx(got, abs=1e-6)  # greedy: the likeliest
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
+
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(stream=True, **args):
+        for key in streamed:
+            streamed[key] += getattr(chunk.choices[0].logprobs, key) if chunk.choices[0].logprobs else []
+    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+                temperature=0.0, logprobs=True, top_logprobs=2)
+    resp = client.chat.completions.create(**args)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the likeliest
+    streamed = [e for chunk in client.chat.completions.create(stream=True, **args)
+                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(**{**args, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
 def test_prompt_cache_hits_are_reported_as_cached_tokens(client: openai.OpenAI) -> None:
     prompt = list(range(10, 10 + 40))  # 2 full blocks of 16 the second time
     first = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1)

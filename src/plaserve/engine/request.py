@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from plaserve.model.tokenizer import IncrementalDetokenizer
 
 _ids = itertools.count()
+MAX_LOGPROBS = 20  # most likely tokens reported per position (vLLM's default cap)
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output so far
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -56,6 +60,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one sampled position, from the model's raw logits (before penalties and
+    temperature, as vLLM reports them by default)."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability
+    top: tuple[tuple[int, float], ...]  # the most likely tokens and theirs, most likely first
 
 
 class RequestStatus(enum.Enum):
@@ -102,6 +116,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []  # one per output token when params.logprobs is set
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -154,6 +169,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None  # when asked for: one per token of token_ids
 
 
 @dataclass
@@ -180,5 +196,6 @@ class RequestOutput:
     def of(cls, req: Request) -> "RequestOutput":
         return cls(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                    outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason,
-                                             req.stop_reason)],
+                                             req.stop_reason, None if req.params.logprobs is None
+                                             else req.output_logprobs[:len(req.output_token_ids)])],
                    finished=req.finished, metrics=req.metrics, num_cached_tokens=req.metrics.num_cached_tokens)

@@ -10,7 +10,7 @@ import torch
 from plaserve.engine.attention import AttentionMetadata, PrefillSeq
 from plaserve.engine.graphs import GraphGrid
 from plaserve.engine.kv_cache import NULL_BLOCK
-from plaserve.engine.sampler import apply_penalties, sample
+from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
 from plaserve.model.llama import LlamaForCausalLM
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
@@ -164,13 +164,18 @@ class ModelRunner:
         self.model.compute_logits(hidden[[num_tokens - 1, num_tokens]])
 
     def execute(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Run ``batch``; returns the sampled token of each item that samples, by item index."""
+        """Run ``batch``; returns the sampled token of each item that samples, by item index. For each
+        request that asked for logprobs, the sampled token's are appended to ``output_logprobs`` too."""
         hidden, packed = self._forward(batch)
         if not packed.sample_rows:
             return {}
         reqs = [batch.items[i].request for i in packed.sample_items]
-        logits = apply_penalties(self.model.compute_logits(hidden[packed.sample_rows]), reqs)
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        logits = self.model.compute_logits(hidden[packed.sample_rows])
+        asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+        raw = logits[asked].log_softmax(-1) if asked else None  # a copy: the penalties change logits in place
+        tokens = sample(apply_penalties(logits, reqs), [r.params for r in reqs], [r.generator for r in reqs])
+        for row, j in enumerate(asked):
+            reqs[j].output_logprobs.append(token_logprobs(raw[row], tokens[j], reqs[j].params.logprobs))
         return dict(zip(packed.sample_items, tokens))
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:

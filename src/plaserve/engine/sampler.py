@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from plaserve.engine.request import Request, SamplingParams
+from plaserve.engine.request import Request, SamplingParams, TokenLogprobs
 
 
 @torch.inference_mode()
@@ -62,3 +62,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
         out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=generators[i]).item())
     return out
+
+
+def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The sampled ``token``'s entry of one row of log-probabilities ``[vocab]``, and the ``k`` largest."""
+    top = torch.topk(logprobs, k) if k else None
+    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
+    return TokenLogprobs(token, float(logprobs[token]), pairs)

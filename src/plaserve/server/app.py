@@ -81,6 +81,10 @@ class _Handlers:
     async def _body(request: Request) -> dict[str, Any]:
         return parse_json_object(await request.body())
 
+    def _decode(self, token_id: int) -> str:
+        """One token's text, as logprobs report it (special tokens included)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     @staticmethod
     def _params(s: SamplingFields, max_tokens: int) -> list[SamplingParams]:
         """The engine parameters of the ``n`` choices of one prompt. Choice ``j`` of a seeded request
@@ -110,7 +114,8 @@ class _Handlers:
         if req.stream:
             return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling))
         outputs = await self._wait(request, gen)
-        return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n))
+        return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
+                                                  self._decode))
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat_request(await self._body(request))
@@ -122,7 +127,8 @@ class _Handlers:
         if req.stream:
             return EventStreamResponse(self._stream_chat(gen, rid, req.include_usage, req.sampling))
         outputs = await self._wait(request, gen)
-        return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n))
+        return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
+                                            self._decode))
 
     async def _wait(self, request: Request, gen: Generation) -> list:
         try:
@@ -139,9 +145,14 @@ class _Handlers:
         try:
             async for batch in gen.updates():
                 for i, out in sorted(batch.items()):
-                    text = trackers[i].delta(out.outputs[0].text, out.finished)
+                    tracker = trackers[i]
+                    text = tracker.delta(out.outputs[0].text, out.finished)
                     reason = out.outputs[0].finish_reason if out.finished else None
-                    yield R.sse(R.completion_chunk(rid, created, name, i, text, reason, include_usage))
+                    logprobs = None
+                    if (new := tracker.new_logprobs(out.outputs[0].logprobs)) is not None:
+                        logprobs = R.completion_logprobs(new, self._decode, tracker.token_chars)
+                        tracker.token_chars += sum(map(len, logprobs["tokens"]))
+                    yield R.sse(R.completion_chunk(rid, created, name, i, text, reason, include_usage, logprobs))
             if include_usage:
                 yield R.sse(R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n))
         except ApiError as e:  # headers are sent already: report the error in the stream
@@ -163,7 +174,9 @@ class _Handlers:
                 for i, out in sorted(batch.items()):
                     text = trackers[i].delta(out.outputs[0].text, out.finished)
                     reason = out.outputs[0].finish_reason if out.finished else None
-                    yield R.sse(R.chat_chunk(rid, created, name, i, {"content": text}, reason, include_usage))
+                    new = trackers[i].new_logprobs(out.outputs[0].logprobs)
+                    logprobs = None if new is None else R.chat_logprobs(new, self._decode)
+                    yield R.sse(R.chat_chunk(rid, created, name, i, {"content": text}, reason, include_usage, logprobs))
             if include_usage:
                 yield R.sse(R.usage_chunk(rid, created, name, "chat.completion.chunk", gen.outputs(), sampling.n))
         except ApiError as e:

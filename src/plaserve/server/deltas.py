@@ -8,6 +8,8 @@ stay. What is sent is therefore always a prefix of the final text.
 
 from __future__ import annotations
 
+from plaserve.engine.request import TokenLogprobs
+
 
 def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of one of ``stops``."""
@@ -21,11 +23,13 @@ def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class DeltaTracker:
-    """Turns successive full texts of one request into the deltas to send."""
+    """Turns successive full texts (and logprobs) of one request into the deltas to send."""
 
     def __init__(self, stops: tuple[str, ...] = ()) -> None:
         self.stops = stops
         self.sent = 0  # characters of the text already sent
+        self.logprobs_sent = 0  # entries of the logprobs already sent
+        self.token_chars = 0  # characters of the sent logprobs' token texts (the next text offset)
 
     def delta(self, text: str, finished: bool) -> str:
         """New text that is safe to send; everything left once ``finished``."""
@@ -35,3 +39,12 @@ class DeltaTracker:
         out = text[self.sent:end]
         self.sent = end
         return out
+
+    def new_logprobs(self, entries: list[TokenLogprobs] | None) -> list[TokenLogprobs] | None:
+        """The entries not sent yet (None when the request did not ask for logprobs). They go out as
+        tokens arrive: a token whose text is held back still has its logprobs sent."""
+        if entries is None:
+            return None
+        new = entries[self.logprobs_sent:]
+        self.logprobs_sent = len(entries)
+        return new

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from plaserve.engine.request import MAX_LOGPROBS
 from plaserve.server.errors import ApiError
 
 Prompt = str | list[int]
@@ -40,6 +41,7 @@ class SamplingFields:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely ones'
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,28 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 # --- shared fields ------------------------------------------------------------------------------
-def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> SamplingFields:
-    """Sampling fields, with range checks that match :class:`plaserve.SamplingParams` (400 on bad values)."""
+def _logprobs_count(body: dict, name: str) -> int | None:
+    """A count of most likely tokens to report (``logprobs`` of completions, ``top_logprobs`` of chat)."""
+    k = _opt_int(body, name)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
+    return k
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat asks with ``logprobs: true`` and, optionally, ``top_logprobs: k`` (which needs the former)."""
+    top = _logprobs_count(body, "top_logprobs")
+    if not _opt_bool(body, "logprobs", False):
+        if top:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",),
+                   logprobs: int | None = None) -> SamplingFields:
+    """Sampling fields, with range checks that match :class:`plaserve.SamplingParams` (400 on bad values).
+    ``logprobs``: the endpoint's own reading of its logprobs fields."""
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
@@ -169,8 +191,8 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     best_of = _opt_int(body, "best_of", n)
     if best_of != n:  # best_of > n would rank by cumulative logprob, which plaserve does not compute
         raise ApiError(400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of")
-    if body.get("logprobs") not in (None, False) or body.get("echo") not in (None, False):
-        raise ApiError(400, "logprobs and echo are not supported", param="logprobs")
+    if _opt_bool(body, "echo", False):
+        raise ApiError(400, "echo is not supported (plaserve computes no prompt logprobs)", param="echo")
     temperature = _opt_float(body, "temperature", 1.0)
     if temperature < 0:
         raise ApiError(400, f"'temperature' must be non-negative, got {temperature}", param="temperature")
@@ -216,6 +238,7 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
         stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
         ignore_eos=_opt_bool(body, "ignore_eos", False),
         min_tokens=min_tokens,
+        logprobs=logprobs,
         **penalties,
     )
 
@@ -289,7 +312,8 @@ def parse_completion_request(body: dict) -> CompletionRequest:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
     stream, include_usage = _parse_stream(body)
     return CompletionRequest(model=_opt_str(body, "model"), prompts=parse_prompts(body["prompt"]), stream=stream,
-                             include_usage=include_usage, sampling=parse_sampling(body))
+                             include_usage=include_usage,
+                             sampling=parse_sampling(body, logprobs=_logprobs_count(body, "logprobs")))
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
@@ -298,7 +322,8 @@ def parse_chat_request(body: dict) -> ChatRequest:
     return ChatRequest(model=_opt_str(body, "model"), messages=_parse_messages(body), stream=stream,
                        include_usage=include_usage,
                        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-                       sampling=parse_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens")))
+                       sampling=parse_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens"),
+                                               logprobs=_chat_logprobs(body)))
 
 
 def parse_tokenize_request(body: dict) -> TokenizeRequest:

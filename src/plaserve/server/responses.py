@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from plaserve.engine.request import RequestOutput
+from plaserve.engine.request import RequestOutput, TokenLogprobs
 
 DONE = "data: [DONE]\n\n"
+Decode = Callable[[int], str]  # one token id to its text
+_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinities), as vLLM does
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -27,21 +29,52 @@ def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def completion_logprobs(entries: Sequence[TokenLogprobs], decode: Decode, text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of ``entries``; ``top_logprobs`` holds the sampled token
+    besides the most likely ones, as OpenAI's does. Offsets count from ``text_offset``."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(decode(e.token_id))
+        offsets.append(text_offset)
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [max(e.logprob, _FLOOR) for e in entries],
+            "top_logprobs": [{decode(t): max(lp, _FLOOR) for t, lp in (*e.top, (e.token_id, e.logprob))}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Decode) -> dict[str, Any]:
+    """The chat ``logprobs`` object of ``entries``: each token with its UTF-8 bytes and its alternatives."""
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": max(logprob, _FLOOR), "bytes": list(text.encode())}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
 def _stop_reason(out: RequestOutput) -> str | int | None:
     return out.outputs[0].stop_reason
 
 
-def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
-    """The body of a finished ``/v1/completions`` request."""
-    choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None, "finish_reason": o.outputs[0].finish_reason,
-                "stop_reason": _stop_reason(o)} for i, o in enumerate(outputs)]
+def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1,
+                        decode: Decode | None = None) -> dict[str, Any]:
+    """The body of a finished ``/v1/completions`` request (``decode``: for choices with logprobs)."""
+    choices = [{"index": i, "text": o.outputs[0].text,
+                "logprobs": None if o.outputs[0].logprobs is None or decode is None
+                else completion_logprobs(o.outputs[0].logprobs, decode),
+                "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)}
+               for i, o in enumerate(outputs)]
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(outputs, n)}
 
 
-def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
-    """The body of a finished ``/v1/chat/completions`` request."""
-    choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text}, "logprobs": None,
+def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1,
+                  decode: Decode | None = None) -> dict[str, Any]:
+    """The body of a finished ``/v1/chat/completions`` request (``decode``: for choices with logprobs)."""
+    choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
+                "logprobs": None if o.outputs[0].logprobs is None or decode is None
+                else chat_logprobs(o.outputs[0].logprobs, decode),
                 "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)}
                for i, o in enumerate(outputs)]
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
@@ -49,20 +82,20 @@ def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestO
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-                     with_usage_field: bool) -> dict[str, Any]:
+                     with_usage_field: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed piece of a completion. With ``include_usage`` every chunk carries ``usage: null``."""
     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage_field:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, str], finish_reason: str | None,
-               with_usage_field: bool) -> dict[str, Any]:
+               with_usage_field: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed piece of a chat completion."""
     chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage_field:
         chunk["usage"] = None
     return chunk
