@@ -203,3 +203,15 @@ def test_a_client_that_leaves_frees_its_place_on_the_worker():
             assert c.gpus[0].gpu.stats.aborted == 1 and c.gpus[0].gpu.stats.requests == 1
 
     run(main())
+
+
+def test_n_choices_count_as_n_prefills_in_the_estimate():
+    async def main():
+        async with cluster([gpu()]) as c:
+            one = await c.router.estimate("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]]})
+            three = await c.router.estimate("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]], "n": 3})
+            assert one.tokens == (3, 2) and three.tokens == (3, 3, 3, 2, 2, 2)
+            bad = await c.router.estimate("/v1/completions", {"prompt": [[1, 2, 3]], "n": "3"})
+            assert bad.tokens == (3,)  # the worker refuses it; the estimate does not guess
+
+    run(main())

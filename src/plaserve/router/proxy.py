@@ -217,11 +217,17 @@ class Router:
         return None
 
     async def estimate(self, path: str, body: dict[str, Any]) -> Estimate:
-        """The prompt lengths of a generation request."""
+        """The prompt lengths of a generation request, each as many times as the worker will prefill it
+        (``n`` choices per prompt are ``n`` requests on the worker)."""
         remote = self._remote_tokenize if self.estimator.tokenizer is None else None
         if path == "/v1/chat/completions":
-            return await self.estimator.chat(body, remote)
-        return await self.estimator.completion(body, remote)
+            est = await self.estimator.chat(body, remote)
+        else:
+            est = await self.estimator.completion(body, remote)
+        n = body.get("n")
+        if type(n) is int and 1 < n <= 128:  # anything else the worker refuses
+            est = Estimate(tuple(t for t in est.tokens for _ in range(n)), est.method)
+        return est
 
     # --- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
