@@ -122,3 +122,24 @@ def test_logprobs_match_transformers(llama_ckpt):
         assert entry.logprob == pytest.approx(logp[entry.token_id].item(), abs=1e-5)
         assert [t for t, _ in entry.top] == top.indices.tolist()
         assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "pla"])
+def test_prompt_logprobs_match_transformers_chunked_and_cached(llama_ckpt, policy):
+    """Prompt logprobs over a prefill cut into chunks, and again for the same prompt with its blocks in
+    the prefix cache (which a request with prompt logprobs must not reuse)."""
+    prompt = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.no_grad():
+        logp = hf_model(llama_ckpt)(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512, policy=policy, max_num_batched_tokens=64,
+              long_chunk_size=64, short_threshold=64)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    for _ in range(2):  # the second run finds the prompt in the prefix cache
+        out = llm.generate([prompt], params)[0]
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 150
+        got = torch.tensor([e.logprob for e in out.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, logp[torch.arange(149), torch.tensor(prompt[1:])], atol=1e-5, rtol=0)
+        assert [e.top[0][0] for e in out.prompt_logprobs[1:]] == logp[:149].argmax(-1).tolist()
+    assert llm.engine.allocator.num_cache_hits == 0  # nothing reused: every prompt row had to be computed
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+    assert plain.prompt_logprobs is None and llm.engine.allocator.num_cache_hits > 0  # others still reuse it

@@ -122,6 +122,31 @@ def test_completion_logprobs_match_the_offline_engine(client: openai.OpenAI, off
     assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
 
 
+def test_echo_with_prompt_logprobs(client: openai.OpenAI, offline: LLM) -> None:
+    """echo + logprobs (what lm-eval's loglikelihood requests send): the prompt leads the text, and its
+    tokens' logprobs (the first has none) lead the completion's, equal to the offline engine's."""
+    model = client.models.list().data[0].id
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    ref = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, logprobs=1))[0]
+    args = dict(model=model, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1, echo=True)
+    choice = client.completions.create(**args).choices[0]
+    prompt_text = offline.get_tokenizer().decode(prompt, skip_special_tokens=False)
+    assert choice.text == prompt_text + ref.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [e.logprob for e in ref.prompt_logprobs[1:]] + [ref.outputs[0].logprobs[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+    streamed_text, streamed_lp = "", []
+    for chunk in client.completions.create(stream=True, **args):
+        streamed_text += chunk.choices[0].text
+        streamed_lp += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
+    assert streamed_text == choice.text and streamed_lp == lp.token_logprobs
+
+    plain = client.completions.create(model=model, prompt="Say", max_tokens=2, temperature=0.0, echo=True)
+    assert plain.choices[0].text.startswith("Say") and plain.choices[0].logprobs is None
+
+
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
                 temperature=0.0, logprobs=True, top_logprobs=2)

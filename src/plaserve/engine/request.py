@@ -31,6 +31,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
     logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache reuse)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -44,8 +45,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -117,6 +120,9 @@ class Request:
         self.params = params
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprobs] = []  # one per output token when params.logprobs is set
+        # One per prompt token when params.prompt_logprobs is set (the first has none), filled as the
+        # prefill computes them.
+        self.prompt_logprobs: list[TokenLogprobs | None] = [None] if params.prompt_logprobs is not None else []
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -145,6 +151,14 @@ class Request:
     def num_pending_tokens(self) -> int:
         """Tokens still to compute before the next sample."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_reusable_tokens(self) -> int:
+        """How much of the sequence may come from the prefix cache: all but the last token (sampling
+        needs its logits), and with prompt logprobs only what their computation has passed already."""
+        if self.params.prompt_logprobs is not None:
+            return min(self.num_tokens - 1, len(self.prompt_logprobs) - 1)
+        return self.num_tokens - 1
 
     @property
     def in_prefill(self) -> bool:
@@ -183,6 +197,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for: one per prompt token
 
     @property
     def token_ids(self) -> list[int]:
@@ -198,4 +213,5 @@ class RequestOutput:
                    outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason,
                                              req.stop_reason, None if req.params.logprobs is None
                                              else req.output_logprobs[:len(req.output_token_ids)])],
-                   finished=req.finished, metrics=req.metrics, num_cached_tokens=req.metrics.num_cached_tokens)
+                   finished=req.finished, metrics=req.metrics, num_cached_tokens=req.metrics.num_cached_tokens,
+                   prompt_logprobs=None if req.params.prompt_logprobs is None else list(req.prompt_logprobs))

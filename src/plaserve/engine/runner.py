@@ -24,6 +24,7 @@ class PackedBatch:
     meta: AttentionMetadata
     sample_rows: list[int]  # packed row of the last token of each sampling item
     sample_items: list[int]  # index into batch.items of each sampling item
+    first_rows: dict[int, int]  # packed row of the first token of each item, by index into batch.items
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -43,12 +44,13 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
     slots: list[int] = []
     rows: list[int] = []
     row_items: list[int] = []
+    first_rows: dict[int, int] = {}
     prefill: list[PrefillSeq] = []
 
     def add(i: int, it: BatchItem, pad_to: int | None = None) -> None:
         req, start = it.request, it.request.num_computed_tokens
         end = start + it.num_tokens
-        base = len(ids)
+        base = first_rows[i] = len(ids)
         ids.extend(req.token_ids[start:end])
         pos.extend(range(start, end))
         slots.extend(_slots(req.block_table, start, end, block_size))
@@ -98,7 +100,7 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
     meta = AttentionMetadata(slot_mapping=t(slots), prefill=prefill, num_prefill_tokens=num_prefill,
                              padded_shape=(len(padded), batch.bucket) if padded else None,
                              decode_block_tables=tables, decode_context_lens=lens, decode_groups=groups or None)
-    return PackedBatch(t(ids), t(pos), meta, rows, row_items)
+    return PackedBatch(t(ids), t(pos), meta, rows, row_items, first_rows)
 
 
 class ModelRunner:
@@ -167,6 +169,9 @@ class ModelRunner:
         """Run ``batch``; returns the sampled token of each item that samples, by item index. For each
         request that asked for logprobs, the sampled token's are appended to ``output_logprobs`` too."""
         hidden, packed = self._forward(batch)
+        for i, it in enumerate(batch.items):
+            if it.request.params.prompt_logprobs is not None:
+                self._record_prompt_logprobs(it, hidden, packed.first_rows[i])
         if not packed.sample_rows:
             return {}
         reqs = [batch.items[i].request for i in packed.sample_items]
@@ -177,6 +182,24 @@ class ModelRunner:
         for row, j in enumerate(asked):
             reqs[j].output_logprobs.append(token_logprobs(raw[row], tokens[j], reqs[j].params.logprobs))
         return dict(zip(packed.sample_items, tokens))
+
+    def _record_prompt_logprobs(self, item: BatchItem, hidden: torch.Tensor, first_row: int,
+                                rows_at_once: int = 256) -> None:
+        """Append to ``item.request.prompt_logprobs`` the entries this step's rows give: the row of
+        position ``p`` predicts prompt token ``p + 1``. Positions already recorded (a recompute after
+        preemption) are skipped; logits are made ``rows_at_once`` rows at a time, since a whole chunk's
+        over a large vocabulary would take gigabytes."""
+        req = item.request
+        start = req.num_computed_tokens
+        first = max(start, len(req.prompt_logprobs) - 1)  # position whose successor is the next entry
+        end = min(start + item.num_tokens, req.num_prompt_tokens - 1)
+        for lo in range(first, end, rows_at_once):
+            hi = min(end, lo + rows_at_once)
+            rows = hidden[first_row + lo - start:first_row + hi - start]
+            logprobs = self.model.compute_logits(rows).log_softmax(-1)
+            for p in range(lo, hi):
+                req.prompt_logprobs.append(token_logprobs(logprobs[p - lo], req.prompt_token_ids[p + 1],
+                                                          req.params.prompt_logprobs))
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of every packed token of ``batch``, padding included (for tests and debugging)."""

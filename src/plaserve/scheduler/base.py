@@ -67,7 +67,7 @@ class Scheduler:
     # --- queue membership -------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a new request, classified short or long by its tokens left after the prefix cache."""
-        uncached = req.num_prompt_tokens - self.kv.peek_prefix(req.token_ids[:-1])
+        uncached = req.num_prompt_tokens - self.kv.peek_prefix(req.token_ids[:req.num_reusable_tokens])
         req.uncached_estimate = uncached
         req.length_class = "short" if uncached < self.config.short_threshold else "long"
         req.ttft_slo = max(self.config.ttft_slo_floor, self.config.ttft_slo_factor * self.cost.prefill_time(uncached))
@@ -106,10 +106,11 @@ class Scheduler:
     def admit(self, req: Request) -> None:
         """Attach the longest cached prefix to a request that holds no blocks yet.
 
-        At least one token is always left to compute, because sampling needs its logits.
+        At least one token is always left to compute, because sampling needs its logits (and with
+        prompt logprobs, every token whose logits they still need; see ``Request.num_reusable_tokens``).
         """
         assert not req.block_table
-        req.block_table = self.kv.match_prefix(req.token_ids[:-1])
+        req.block_table = self.kv.match_prefix(req.token_ids[:req.num_reusable_tokens])
         req.num_committed_blocks = len(req.block_table)
         req.num_computed_tokens = len(req.block_table) * self.kv.block_size
         if not req.output_token_ids:  # the first admission, not a recompute after preemption

@@ -110,12 +110,15 @@ class _Handlers:
             prompts += [ids] * len(choices)
             params += choices
         rid = f"cmpl-{uuid.uuid4().hex}"
+        # Each choice's echo is its prompt as sent (token ids decoded), as vLLM echoes it.
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(list(p), skip_special_tokens=False)
+                for p in req.prompts for _ in range(req.sampling.n)] if req.echo else None
         gen = Generation.submit(self.loop, rid, prompts, params)
         if req.stream:
-            return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling))
+            return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling, echo))
         outputs = await self._wait(request, gen)
         return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
-                                                  self._decode))
+                                                  self._decode, echo))
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat_request(await self._body(request))
@@ -138,20 +141,26 @@ class _Handlers:
         finally:
             gen.close()
 
-    async def _stream_completion(self, gen: Generation, rid: str, include_usage: bool,
-                                 sampling: SamplingFields) -> AsyncIterator[str]:
+    async def _stream_completion(self, gen: Generation, rid: str, include_usage: bool, sampling: SamplingFields,
+                                 echo: list[str] | None) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
+        echoed: set[int] = set()  # choices whose prompt went out already
         try:
             async for batch in gen.updates():
                 for i, out in sorted(batch.items()):
                     tracker = trackers[i]
                     text = tracker.delta(out.outputs[0].text, out.finished)
+                    first = i not in echoed
+                    echoed.add(i)
                     reason = out.outputs[0].finish_reason if out.finished else None
                     logprobs = None
                     if (new := tracker.new_logprobs(out.outputs[0].logprobs)) is not None:
-                        logprobs = R.completion_logprobs(new, self._decode, tracker.token_chars)
+                        pairs = (R.prompt_pairs(out) if echo and first else []) + R.output_pairs(new)
+                        logprobs = R.completion_logprobs(pairs, self._decode, tracker.token_chars)
                         tracker.token_chars += sum(map(len, logprobs["tokens"]))
+                    if echo and first:
+                        text = echo[i] + text
                     yield R.sse(R.completion_chunk(rid, created, name, i, text, reason, include_usage, logprobs))
             if include_usage:
                 yield R.sse(R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n))

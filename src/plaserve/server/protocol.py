@@ -42,17 +42,19 @@ class SamplingFields:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely ones'
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    """``POST /v1/completions``: one choice per prompt (``prompt`` may be a batch)."""
+    """``POST /v1/completions``: ``n`` choices per prompt (``prompt`` may be a batch)."""
 
     model: str | None
     prompts: tuple[Prompt, ...]
     stream: bool
     include_usage: bool
     sampling: SamplingFields
+    echo: bool = False  # the prompt leads each choice's text (and its logprobs, with logprobs)
 
 
 @dataclass(frozen=True)
@@ -175,9 +177,9 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",),
-                   logprobs: int | None = None) -> SamplingFields:
+                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingFields:
     """Sampling fields, with range checks that match :class:`plaserve.SamplingParams` (400 on bad values).
-    ``logprobs``: the endpoint's own reading of its logprobs fields."""
+    ``logprobs``, ``prompt_logprobs``: the endpoint's own reading of its logprobs fields."""
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
@@ -191,8 +193,6 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     best_of = _opt_int(body, "best_of", n)
     if best_of != n:  # best_of > n would rank by cumulative logprob, which plaserve does not compute
         raise ApiError(400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of")
-    if _opt_bool(body, "echo", False):
-        raise ApiError(400, "echo is not supported (plaserve computes no prompt logprobs)", param="echo")
     temperature = _opt_float(body, "temperature", 1.0)
     if temperature < 0:
         raise ApiError(400, f"'temperature' must be non-negative, got {temperature}", param="temperature")
@@ -239,6 +239,7 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
         ignore_eos=_opt_bool(body, "ignore_eos", False),
         min_tokens=min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         **penalties,
     )
 
@@ -311,9 +312,11 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     if "prompt" not in body:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
     stream, include_usage = _parse_stream(body)
+    echo, logprobs = _opt_bool(body, "echo", False), _logprobs_count(body, "logprobs")
     return CompletionRequest(model=_opt_str(body, "model"), prompts=parse_prompts(body["prompt"]), stream=stream,
-                             include_usage=include_usage,
-                             sampling=parse_sampling(body, logprobs=_logprobs_count(body, "logprobs")))
+                             include_usage=include_usage, echo=echo,
+                             sampling=parse_sampling(body, logprobs=logprobs,
+                                                     prompt_logprobs=logprobs if echo else None))
 
 
 def parse_chat_request(body: dict) -> ChatRequest:

@@ -29,18 +29,29 @@ def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion_logprobs(entries: Sequence[TokenLogprobs], decode: Decode, text_offset: int = 0) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object of ``entries``; ``top_logprobs`` holds the sampled token
-    besides the most likely ones, as OpenAI's does. Offsets count from ``text_offset``."""
-    tokens, offsets = [], []
-    for e in entries:
-        tokens.append(decode(e.token_id))
+def completion_logprobs(tokens: Sequence[tuple[int, TokenLogprobs | None]], decode: Decode,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object of ``(token id, its logprobs)`` pairs (None: the first
+    prompt token, which has none); ``top_logprobs`` holds the sampled token besides the most likely ones,
+    as OpenAI's does. Offsets count from ``text_offset``."""
+    texts, offsets = [], []
+    for token_id, _ in tokens:
+        texts.append(decode(token_id))
         offsets.append(text_offset)
-        text_offset += len(tokens[-1])
-    return {"tokens": tokens, "token_logprobs": [max(e.logprob, _FLOOR) for e in entries],
-            "top_logprobs": [{decode(t): max(lp, _FLOOR) for t, lp in (*e.top, (e.token_id, e.logprob))}
-                             for e in entries],
+        text_offset += len(texts[-1])
+    return {"tokens": texts, "token_logprobs": [None if e is None else max(e.logprob, _FLOOR) for _, e in tokens],
+            "top_logprobs": [None if e is None else {decode(t): max(lp, _FLOOR) for t, lp in (*e.top, (t0, e.logprob))}
+                             for t0, e in tokens],
             "text_offset": offsets}
+
+
+def prompt_pairs(out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
+    """The prompt's ``(token id, logprobs)`` pairs of an echoed choice (empty without prompt logprobs)."""
+    return [] if out.prompt_logprobs is None else list(zip(out.prompt_token_ids, out.prompt_logprobs))
+
+
+def output_pairs(entries: Sequence[TokenLogprobs]) -> list[tuple[int, TokenLogprobs | None]]:
+    return [(e.token_id, e) for e in entries]
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Decode) -> dict[str, Any]:
@@ -58,13 +69,17 @@ def _stop_reason(out: RequestOutput) -> str | int | None:
 
 
 def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1,
-                        decode: Decode | None = None) -> dict[str, Any]:
-    """The body of a finished ``/v1/completions`` request (``decode``: for choices with logprobs)."""
-    choices = [{"index": i, "text": o.outputs[0].text,
-                "logprobs": None if o.outputs[0].logprobs is None or decode is None
-                else completion_logprobs(o.outputs[0].logprobs, decode),
-                "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)}
-               for i, o in enumerate(outputs)]
+                        decode: Decode | None = None, echo: Sequence[str] | None = None) -> dict[str, Any]:
+    """The body of a finished ``/v1/completions`` request (``decode``: for choices with logprobs;
+    ``echo``: each choice's prompt text, to lead its text and logprobs)."""
+    choices = []
+    for i, o in enumerate(outputs):
+        logprobs = None
+        if o.outputs[0].logprobs is not None and decode is not None:
+            logprobs = completion_logprobs((prompt_pairs(o) if echo else []) + output_pairs(o.outputs[0].logprobs),
+                                           decode)
+        choices.append({"index": i, "text": (echo[i] if echo else "") + o.outputs[0].text, "logprobs": logprobs,
+                        "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)})
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
             "usage": usage(outputs, n)}
 
