@@ -72,10 +72,14 @@ def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone, p
     # every request starts early, they outgrow the cache together and some must be preempted.
     engine = make_engine(llama_ckpt, kv_cache_memory=str(45 * 8192), max_model_len=640,
                          max_num_batched_tokens=64, long_chunk_size=64, enable_prefix_caching=False, policy=policy)
-    reqs = run(engine, PROMPTS, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    # Logprobs too: a recompute must neither repeat nor skip an entry.
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    reqs = run(engine, PROMPTS, params)
     ref = make_engine(llama_ckpt, enable_prefix_caching=False)
     for r in reqs:
-        assert r.output_token_ids == run(ref, [r.prompt_token_ids], r.params)[0].output_token_ids
+        alone_req = run(ref, [r.prompt_token_ids], r.params)[0]
+        assert r.output_token_ids == alone_req.output_token_ids
+        assert _close(r, alone_req)
     assert sum(r.metrics.num_preemptions for r in reqs) > 0
     assert engine.allocator.num_used_blocks == 0
 
@@ -174,3 +178,11 @@ def test_warm_up_leaves_no_trace(llama_ckpt, alone):
     reqs = run(engine, PROMPTS)
     assert [r.output_token_ids for r in reqs] == [alone[tuple(p)] for p in PROMPTS]
     assert all(r.metrics.num_cached_tokens == 0 for r in reqs)  # nothing of the warm-up went into the prefix cache
+
+
+def _close(a, b, tol: float = 1e-4) -> bool:
+    """Logprobs of two runs of one request agree entry for entry (same tokens, values within ``tol``)."""
+    pairs = [*zip(a.output_logprobs, b.output_logprobs), *zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+    return (len(a.output_logprobs) == len(b.output_logprobs) == len(a.output_token_ids)
+            and len(a.prompt_logprobs) == len(b.prompt_logprobs) == a.num_prompt_tokens
+            and all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < tol for x, y in pairs))
