@@ -143,3 +143,40 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(llama_ckpt, polic
     assert llm.engine.allocator.num_cache_hits == 0  # nothing reused: every prompt row had to be computed
     plain = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
     assert plain.prompt_logprobs is None and llm.engine.allocator.num_cache_hits > 0  # others still reuse it
+
+
+def test_prompt_logprobs_of_padded_short_batches_and_a_prefill_cut_by_preemption(llama_ckpt):
+    """Prompt logprobs read the right rows of a right-padded static batch, and survive a preemption in the
+    middle of a chunked prefill (the recompute neither repeats nor skips an entry)."""
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (9, 13, 16, 120)]
+    ref = hf_model(llama_ckpt)
+
+    def expected(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logp = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        return logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+
+    def got(entries) -> torch.Tensor:
+        assert entries[0] is None and len(entries) == len(prompt)
+        return torch.tensor([e.logprob for e in entries[1:]])
+
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512, policy="pla", pad_short_batches="always")
+    outs = llm.generate(prompts[:3], params)
+    assert llm.engine.stats["grid_hits"] > 0  # the short prompts ran as one padded batch
+    for prompt, out in zip(prompts[:3], outs):
+        torch.testing.assert_close(got(out.prompt_logprobs), expected(prompt), atol=1e-5, rtol=0)
+
+    prompt = prompts[3]
+    engine = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512, policy="pla", short_threshold=32,
+                 long_chunk_size=32).engine
+    req = engine.add_request(prompt, params)
+    while len(req.prompt_logprobs) < 50:  # two 32-token chunks: 65 of 120 entries
+        engine.step()
+    assert len(req.prompt_logprobs) == 65 and req in engine.scheduler.running
+    engine.scheduler.preempt(req)
+    while engine.has_unfinished():
+        engine.step()
+    assert req.metrics.num_preemptions == 1
+    torch.testing.assert_close(got(req.prompt_logprobs), expected(prompt), atol=1e-5, rtol=0)

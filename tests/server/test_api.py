@@ -54,15 +54,27 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, offline: LLM) -> None
     give what the offline engine gives with the same SamplingParams."""
     model = client.models.list().data[0].id
     penalties = dict(presence_penalty=1.2, frequency_penalty=0.6)
-    extras = dict(repetition_penalty=1.3, min_p=0.05, min_tokens=4)
-    text, _, _ = _offline_text(offline, PROMPT, 12, **penalties, **extras)
+    text, _, _ = _offline_text(offline, PROMPT, 12, repetition_penalty=1.3, **penalties)
     plain, _, _ = _offline_text(offline, PROMPT, 12)
     resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, **penalties,
-                                     extra_body=extras)
+                                     extra_body={"repetition_penalty": 1.3})
     assert resp.choices[0].text == text != plain
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
-                                          temperature=0.0, **penalties, extra_body=extras)
-    assert chat.usage.completion_tokens >= 4  # min_tokens
+
+    # min_p cuts the sampled distribution: same seed, same text as offline, not the uncut one.
+    def sampled(**kw: float) -> str:
+        params = SamplingParams(max_tokens=12, temperature=1.5, seed=3, ignore_eos=True, **kw)
+        return offline.generate(PROMPT, params)[0].text
+    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3,
+                                     extra_body={"min_p": 0.5, "ignore_eos": True})
+    assert resp.choices[0].text == sampled(min_p=0.5) != sampled()
+
+    # min_tokens: the greedy first token as a stop token would end the request at once; not before 3.
+    first = offline.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    stop = dict(max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [first], "ignore_eos": True})
+    assert client.completions.create(model=model, prompt=PROMPT, **stop).usage.completion_tokens == 1
+    stop["extra_body"] = {**stop["extra_body"], "min_tokens": 3}
+    resp = client.completions.create(model=model, prompt=PROMPT, **stop)
+    assert resp.usage.completion_tokens >= 3
 
 
 def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:

@@ -64,6 +64,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether any penalty (or the ``min_tokens`` ban) changes this request's logits."""
+        return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty)
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -135,6 +141,7 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.output_text = ""  # detokenized output, cut at a stop string
         self.generator = None  # a torch.Generator when the request has its own seed
+        self.penalty_state = None  # the sampler's PenaltyState, once a penalised request first samples
         self.length_class = "short"  # set by the scheduler on arrival: "short" or "long"
         self.uncached_estimate = len(prompt_token_ids)  # prompt tokens not in the prefix cache on arrival
         self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival
@@ -156,8 +163,8 @@ class Request:
     def num_reusable_tokens(self) -> int:
         """How much of the sequence may come from the prefix cache: all but the last token (sampling
         needs its logits), and with prompt logprobs only what their computation has passed already."""
-        if self.params.prompt_logprobs is not None:
-            return min(self.num_tokens - 1, len(self.prompt_logprobs) - 1)
+        if self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+            return len(self.prompt_logprobs) - 1
         return self.num_tokens - 1
 
     @property
@@ -214,4 +221,5 @@ class RequestOutput:
                                              req.stop_reason, None if req.params.logprobs is None
                                              else req.output_logprobs[:len(req.output_token_ids)])],
                    finished=req.finished, metrics=req.metrics, num_cached_tokens=req.metrics.num_cached_tokens,
-                   prompt_logprobs=None if req.params.prompt_logprobs is None else list(req.prompt_logprobs))
+                   # Not copied: complete before the first token, never changed after.
+                   prompt_logprobs=None if req.params.prompt_logprobs is None else req.prompt_logprobs)

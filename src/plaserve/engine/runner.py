@@ -179,8 +179,10 @@ class ModelRunner:
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
         raw = logits[asked].log_softmax(-1) if asked else None  # a copy: the penalties change logits in place
         tokens = sample(apply_penalties(logits, reqs), [r.params for r in reqs], [r.generator for r in reqs])
-        for row, j in enumerate(asked):
-            reqs[j].output_logprobs.append(token_logprobs(raw[row], tokens[j], reqs[j].params.logprobs))
+        if asked:
+            entries = token_logprobs(raw, [tokens[j] for j in asked], [reqs[j].params.logprobs for j in asked])
+            for j, entry in zip(asked, entries):
+                reqs[j].output_logprobs.append(entry)
         return dict(zip(packed.sample_items, tokens))
 
     def _record_prompt_logprobs(self, item: BatchItem, hidden: torch.Tensor, first_row: int,
@@ -197,9 +199,8 @@ class ModelRunner:
             hi = min(end, lo + rows_at_once)
             rows = hidden[first_row + lo - start:first_row + hi - start]
             logprobs = self.model.compute_logits(rows).log_softmax(-1)
-            for p in range(lo, hi):
-                req.prompt_logprobs.append(token_logprobs(logprobs[p - lo], req.prompt_token_ids[p + 1],
-                                                          req.params.prompt_logprobs))
+            req.prompt_logprobs += token_logprobs(logprobs, req.prompt_token_ids[lo + 1:hi + 1],
+                                                  [req.params.prompt_logprobs] * (hi - lo))
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of every packed token of ``batch``, padding included (for tests and debugging)."""

@@ -13,25 +13,49 @@ import torch
 from plaserve.engine.request import Request, SamplingParams, TokenLogprobs
 
 
+class PenaltyState:
+    """What the penalties of one request read, as tensors on the logits' device: its banned ids (eos and
+    stop ids, for ``min_tokens``), which tokens its prompt and output hold, and how often each was output.
+    Built on the first penalised step and updated with each new output token, not rebuilt every step."""
+
+    def __init__(self, req: Request, vocab: int, device: torch.device) -> None:
+        ids = lambda xs: torch.tensor([t for t in xs if 0 <= t < vocab], dtype=torch.long, device=device)  # noqa: E731
+        self.banned = ids((*req.eos_token_ids, *req.params.stop_token_ids))
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[ids(req.prompt_token_ids)] = True
+        self.counts = torch.zeros(vocab, device=device)
+        self.counted = 0  # output tokens in counts and seen
+
+    def update(self, output_token_ids: list[int]) -> None:
+        if len(output_token_ids) > self.counted:
+            new = torch.tensor(output_token_ids[self.counted:], dtype=torch.long, device=self.counts.device)
+            self.counts.index_add_(0, new, torch.ones(len(new), device=self.counts.device))
+            self.seen[new] = True
+            self.counted = len(output_token_ids)
+
+
 @torch.inference_mode()
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """``logits`` ``[N, vocab]`` (row ``i`` for ``reqs[i]``) with each request's penalties applied (vLLM's
     semantics): the repetition penalty over prompt and output tokens, presence and frequency penalties
     over output tokens, and eos and stop token ids banned until ``min_tokens`` are out. Rows without any
     are left alone; the tensor is changed in place and returned."""
-    vocab = logits.shape[-1]
     for i, req in enumerate(reqs):
-        p, out = req.params, req.output_token_ids
-        if p.min_tokens and len(out) < p.min_tokens:
-            banned = [t for t in (*req.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
-            logits[i, banned] = float("-inf")
+        p = req.params
+        if not p.penalised:
+            continue
+        if req.penalty_state is None:
+            req.penalty_state = PenaltyState(req, logits.shape[-1], logits.device)
+        state = req.penalty_state
+        state.update(req.output_token_ids)
+        row = logits[i]
+        if len(req.output_token_ids) < p.min_tokens:
+            row[state.banned] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(out)), device=logits.device)
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if out and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(out, device=logits.device), minlength=vocab)[:vocab].to(logits.dtype)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(state.seen, penalised, row))
+        if p.presence_penalty or p.frequency_penalty:
+            row -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).to(row.dtype)
     return logits
 
 
@@ -64,8 +88,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
-def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """The sampled ``token``'s entry of one row of log-probabilities ``[vocab]``, and the ``k`` largest."""
-    top = torch.topk(logprobs, k) if k else None
-    pairs = () if top is None else tuple(zip(top.indices.tolist(), top.values.tolist()))
-    return TokenLogprobs(token, float(logprobs[token]), pairs)
+def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+    """Entries for rows of log-probabilities ``[R, vocab]``: row ``r``'s ``tokens[r]`` and its ``ks[r]``
+    most likely tokens. All rows come to the host in two transfers, not a few per row."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    kmax = max(ks, default=0)
+    top_vals, top_ids = ([], []) if not kmax else (t.tolist() for t in torch.topk(logprobs, kmax))  # values first
+    return [TokenLogprobs(token, lp, tuple(zip(top_ids[r][:k], top_vals[r][:k])) if k else ())
+            for r, (token, lp, k) in enumerate(zip(tokens, chosen, ks))]

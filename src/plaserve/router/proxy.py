@@ -225,6 +225,8 @@ class Router:
         else:
             est = await self.estimator.completion(body, remote)
         n = body.get("n")
+        if isinstance(n, float) and n.is_integer():  # JSON's 3.0 is the worker's 3 too
+            n = int(n)
         if type(n) is int and 1 < n <= 128:  # anything else the worker refuses
             est = Estimate(tuple(t for t in est.tokens for _ in range(n)), est.method)
         return est

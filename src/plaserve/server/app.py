@@ -51,6 +51,7 @@ class _Handlers:
         self.loop = engine_loop
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
+        self._token_texts: dict[int, str] = {}  # logprobs' token texts: at most one per vocabulary id
         self.limits = ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
         self.model_path = engine.loaded.path
         self.created = int(time.time())
@@ -82,8 +83,12 @@ class _Handlers:
         return parse_json_object(await request.body())
 
     def _decode(self, token_id: int) -> str:
-        """One token's text, as logprobs report it (special tokens included)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text, as logprobs report it (special tokens included); cached, since a request
+        with logprobs decodes a few tokens per position on the event loop."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     @staticmethod
     def _params(s: SamplingFields, max_tokens: int) -> list[SamplingParams]:

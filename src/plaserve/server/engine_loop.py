@@ -152,11 +152,15 @@ class EngineLoop:
         return self._snapshot
 
     def submit(self, submissions: list[Submission]) -> None:
-        """Queue requests for the engine, all or none. Raises QueueFullError or EngineStoppedError."""
+        """Queue requests for the engine, all or none. Raises QueueFullError or EngineStoppedError, and
+        ValueError for more requests than the queue can ever hold."""
         with self._cond:
             if not self.alive:
                 raise EngineStoppedError("the engine is not running")
             if self.max_queue is not None:
+                if len(submissions) > self.max_queue:
+                    raise ValueError(f"the request has {len(submissions)} prompts and choices; this server queues "
+                                     f"at most {self.max_queue} requests at once")
                 queued = self._num_waiting + self._in_transit + sum(isinstance(c, Submission) for c in self._inbox)
                 if queued + len(submissions) > self.max_queue:
                     backlog = sum(self._snapshot.load.get("backlog_s", {}).values())

@@ -52,6 +52,8 @@ class Generation:
             raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(retry)}) from None
         except EngineStoppedError as e:
             raise ApiError(503, str(e)) from None
+        except ValueError as e:  # larger than the queue: retrying would not help
+            raise ApiError(400, str(e)) from None
         return cls(engine_loop, subs, queue)
 
     @property
