@@ -66,6 +66,12 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert not torch.isinf(out[1]).any()  # two tokens out: eos and stop ids are allowed again
 
 
+def test_logit_bias_adds_to_its_tokens():
+    logits = torch.zeros(1, 5)
+    out = apply_penalties(logits, [request([1], [2], logit_bias={0: 2.5, 3: -100.0, 99: 1.0})])
+    assert out.tolist() == [[2.5, 0.0, 0.0, -100.0, 0.0]]  # ids outside the vocabulary are ignored
+
+
 def test_rows_without_penalties_are_untouched():
     logits = torch.randn(2, 8)
     assert torch.equal(apply_penalties(logits.clone(), [request([1, 2], [3]), request([4], [5, 6])]), logits)
@@ -78,7 +84,8 @@ def test_min_p_drops_unlikely_tokens():
 
 
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
-                                 dict(min_p=1.5), dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1)])
+                                 dict(min_p=1.5), dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1),
+                                 dict(logit_bias={3: 101.0}), dict(logprobs=21)])
 def test_out_of_range_sampling_params_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)

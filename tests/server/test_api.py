@@ -68,6 +68,11 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, offline: LLM) -> None
                                      extra_body={"min_p": 0.5, "ignore_eos": True})
     assert resp.choices[0].text == sampled(min_p=0.5) != sampled()
 
+    # logit_bias (OpenAI's: string keys): +100 on one token makes greedy decoding pick nothing else.
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+                                          temperature=0.0, logit_bias={"300": 100}, logprobs=True)
+    assert [e.token for e in resp.choices[0].logprobs.content] == [offline.get_tokenizer().decode([300])] * 4
+
     # min_tokens: the greedy first token as a stop token would end the request at once; not before 3.
     first = offline.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
     stop = dict(max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [first], "ignore_eos": True})

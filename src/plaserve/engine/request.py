@@ -30,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output so far
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    logit_bias: dict[int, float] | None = None  # added to these tokens' logits (OpenAI's, each in [-100, 100])
     logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache reuse)
 
@@ -45,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not -100 <= b <= 100 for b in (self.logit_bias or {}).values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
@@ -66,9 +69,9 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Whether any penalty (or the ``min_tokens`` ban) changes this request's logits."""
+        """Whether any penalty, bias or the ``min_tokens`` ban changes this request's logits."""
         return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty)
+                    or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass(frozen=True)

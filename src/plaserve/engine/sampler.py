@@ -15,7 +15,8 @@ from plaserve.engine.request import Request, SamplingParams, TokenLogprobs
 
 class PenaltyState:
     """What the penalties of one request read, as tensors on the logits' device: its banned ids (eos and
-    stop ids, for ``min_tokens``), which tokens its prompt and output hold, and how often each was output.
+    stop ids, for ``min_tokens``), which tokens its prompt and output hold, how often each was output,
+    and its logit bias.
     Built on the first penalised step and updated with each new output token, not rebuilt every step."""
 
     def __init__(self, req: Request, vocab: int, device: torch.device) -> None:
@@ -25,6 +26,8 @@ class PenaltyState:
         self.seen[ids(req.prompt_token_ids)] = True
         self.counts = torch.zeros(vocab, device=device)
         self.counted = 0  # output tokens in counts and seen
+        bias = {t: b for t, b in (req.params.logit_bias or {}).items() if 0 <= t < vocab}
+        self.bias_ids, self.bias = ids(bias), torch.tensor(list(bias.values()), device=device)
 
     def update(self, output_token_ids: list[int]) -> None:
         if len(output_token_ids) > self.counted:
@@ -38,8 +41,8 @@ class PenaltyState:
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """``logits`` ``[N, vocab]`` (row ``i`` for ``reqs[i]``) with each request's penalties applied (vLLM's
     semantics): the repetition penalty over prompt and output tokens, presence and frequency penalties
-    over output tokens, and eos and stop token ids banned until ``min_tokens`` are out. Rows without any
-    are left alone; the tensor is changed in place and returned."""
+    over output tokens, the logit bias, and eos and stop token ids banned until ``min_tokens`` are out.
+    Rows without any are left alone; the tensor is changed in place and returned."""
     for i, req in enumerate(reqs):
         p = req.params
         if not p.penalised:
@@ -56,6 +59,8 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
             row.copy_(torch.where(state.seen, penalised, row))
         if p.presence_penalty or p.frequency_penalty:
             row -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).to(row.dtype)
+        if p.logit_bias:
+            row.index_add_(0, state.bias_ids, state.bias)
     return logits
 
 

@@ -33,7 +33,7 @@ from plaserve.server.deltas import DeltaTracker
 from plaserve.server.engine_loop import EngineLoop
 from plaserve.server.errors import ApiError, error_body
 from plaserve.server.generation import ClientDisconnected, EventStreamResponse, Generation, until_disconnect
-from plaserve.server.prompts import ModelLimits, check_prompt, encode_chat, encode_prompt
+from plaserve.server.prompts import ModelLimits, check_logit_bias, check_prompt, encode_chat, encode_prompt
 from plaserve.server.protocol import (SamplingFields, parse_chat_request, parse_completion_request,
                                       parse_json_object, parse_tokenize_request)
 from plaserve.server import responses as R
@@ -105,6 +105,7 @@ class _Handlers:
     async def completions(self, request: Request) -> Response:
         req = parse_completion_request(await self._body(request))
         self._check_model(req.model)
+        check_logit_bias(req.sampling.logit_bias, self.limits)
         prompts, params = [], []
         for prompt in req.prompts:
             ids = encode_prompt(self.tokenizer, prompt)
@@ -128,6 +129,7 @@ class _Handlers:
     async def chat(self, request: Request) -> Response:
         req = parse_chat_request(await self._body(request))
         self._check_model(req.model)
+        check_logit_bias(req.sampling.logit_bias, self.limits)
         ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

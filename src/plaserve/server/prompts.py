@@ -69,3 +69,11 @@ def check_prompt(token_ids: list[int], limits: ModelLimits, max_tokens: int | No
                             f"tokens ({n} in the prompt, {max_tokens} for the completion). Reduce the prompt or "
                             f"max_tokens.", param="max_tokens", code="context_length_exceeded")
     return max_tokens
+
+
+def check_logit_bias(bias: dict[int, float] | None, limits: ModelLimits) -> None:
+    """A logit bias on a token the model does not have is a 400 (as vLLM answers)."""
+    bad = next((t for t in bias or {} if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+                       param="logit_bias")

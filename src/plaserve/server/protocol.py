@@ -11,7 +11,7 @@ Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plaserve.engine.request import MAX_LOGPROBS
@@ -41,6 +41,7 @@ class SamplingFields:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely ones'
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
 
@@ -158,6 +159,24 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 # --- shared fields ------------------------------------------------------------------------------
+def _parse_logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) to biases in [-100, 100]."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object of token ids to numbers", value)
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.lstrip("-").isdigit()):
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not isinstance(b, (int, float)) or isinstance(b, bool):
+            raise _type_error("logit_bias", "an object of token ids to numbers", value)
+        if not -100 <= b <= 100:
+            raise ApiError(400, f"logit_bias values must be in [-100, 100], got {b}", param="logit_bias")
+        bias[int(key)] = float(b)
+    return bias or None
+
+
 def _logprobs_count(body: dict, name: str) -> int | None:
     """A count of most likely tokens to report (``logprobs`` of completions, ``top_logprobs`` of chat)."""
     k = _opt_int(body, name)
@@ -224,6 +243,7 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
                        param="repetition_penalty")
     if not 0 <= penalties["min_p"] <= 1:
         raise ApiError(400, f"'min_p' must be in [0, 1], got {penalties['min_p']}", param="min_p")
+    logit_bias = _parse_logit_bias(body.get("logit_bias"))
     min_tokens = _opt_int(body, "min_tokens", 0)
     if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise ApiError(400, f"'min_tokens' must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
@@ -240,6 +260,7 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
         min_tokens=min_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        logit_bias=logit_bias,
         **penalties,
     )
 
