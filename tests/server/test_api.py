@@ -82,6 +82,22 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, offline: LLM) -> None
     assert resp.usage.completion_tokens >= 3
 
 
+def test_stop_string_kept_and_special_tokens_shown_on_request(client: openai.OpenAI, offline: LLM) -> None:
+    model = client.models.list().data[0].id
+    text, _, _ = _offline_text(offline, PROMPT, 12, ignore_eos=True)
+    stop = text[3:5]
+    args = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, stop=[stop])
+    cut = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+    kept = client.completions.create(**args, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut + stop and text.startswith(kept.choices[0].text)
+
+    # <|im_start|> (id 2) is special but not an end of sequence: forced by a bias, shown only on request.
+    forced = dict(model=model, prompt=PROMPT, max_tokens=2, temperature=0.0, logit_bias={"2": 100})
+    assert client.completions.create(**forced).choices[0].text == ""
+    shown = client.completions.create(**forced, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert shown == "<|im_start|>" * 2
+
+
 def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:
     """n choices per prompt, indexed prompt by prompt; seeded choices differ from each other and
     repeat across requests; the prompt counts once in usage."""

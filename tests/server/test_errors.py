@@ -49,6 +49,7 @@ CASES = [
     ("best_of above n", "/v1/completions", {"prompt": "hi", "n": 1, "best_of": 3}, 400),
     ("logprobs too many", "/v1/completions", {"prompt": "hi", "logprobs": 21}, 400),
     ("logprobs wrong type", "/v1/completions", {"prompt": "hi", "logprobs": "all"}, 422),
+    ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400),
     ("echo wrong type", "/v1/completions", {"prompt": "hi", "echo": "yes"}, 422),
     ("chat top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),

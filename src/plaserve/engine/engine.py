@@ -154,7 +154,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = Request(token_ids, params, request_id=request_id, prompt=text,
                       arrival_time=self.clock() if arrival_time is None else arrival_time,
-                      detokenizer=IncrementalDetokenizer(self.tokenizer),
+                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
                       eos_token_ids=tuple(self.model_config.eos_token_ids))
         if not params.greedy:
             req.generator = (torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None

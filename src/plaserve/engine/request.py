@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # leave special tokens (eos, chat markers) out of the text
     min_tokens: int = 0  # no eos, stop token or stop string ends the request before this many tokens
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output already has
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output so far

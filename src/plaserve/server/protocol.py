@@ -36,6 +36,8 @@ class SamplingFields:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -257,6 +259,8 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
         stop=stop,
         stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
         ignore_eos=_opt_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=_opt_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
         min_tokens=min_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -334,6 +338,8 @@ def parse_completion_request(body: dict) -> CompletionRequest:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
     stream, include_usage = _parse_stream(body)
     echo, logprobs = _opt_bool(body, "echo", False), _logprobs_count(body, "logprobs")
+    if _opt_str(body, "suffix"):
+        raise ApiError(400, "suffix is not supported", param="suffix")
     return CompletionRequest(model=_opt_str(body, "model"), prompts=parse_prompts(body["prompt"]), stream=stream,
                              include_usage=include_usage, echo=echo,
                              sampling=parse_sampling(body, logprobs=logprobs,
