@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plaserve.model.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # the sampler imports this module
+    from plaserve.engine.sampler import PenaltyState
 
 _ids = itertools.count()
 MAX_LOGPROBS = 20  # most likely tokens reported per position (vLLM's default cap)
@@ -145,7 +149,7 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.output_text = ""  # detokenized output, cut at a stop string
         self.generator = None  # a torch.Generator when the request has its own seed
-        self.penalty_state = None  # the sampler's PenaltyState, once a penalised request first samples
+        self.penalty_state: PenaltyState | None = None  # the sampler's, from a penalised request's first sample
         self.length_class = "short"  # set by the scheduler on arrival: "short" or "long"
         self.uncached_estimate = len(prompt_token_ids)  # prompt tokens not in the prefix cache on arrival
         self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival

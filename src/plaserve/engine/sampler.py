@@ -6,7 +6,7 @@ vLLM applies them); then greedy rows take the argmax and the others sample from 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -16,11 +16,13 @@ from plaserve.engine.request import Request, SamplingParams, TokenLogprobs
 class PenaltyState:
     """What the penalties of one request read, as tensors on the logits' device: its banned ids (eos and
     stop ids, for ``min_tokens``), which tokens its prompt and output hold, how often each was output,
-    and its logit bias.
-    Built on the first penalised step and updated with each new output token, not rebuilt every step."""
+    and its logit bias. Built on the first penalised step and updated with each new output token, not
+    rebuilt every step. Token ids outside the vocabulary are dropped."""
 
     def __init__(self, req: Request, vocab: int, device: torch.device) -> None:
-        ids = lambda xs: torch.tensor([t for t in xs if 0 <= t < vocab], dtype=torch.long, device=device)  # noqa: E731
+        def ids(xs: Iterable[int]) -> torch.Tensor:
+            return torch.tensor([t for t in xs if 0 <= t < vocab], dtype=torch.long, device=device)
+
         self.banned = ids((*req.eos_token_ids, *req.params.stop_token_ids))
         self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         self.seen[ids(req.prompt_token_ids)] = True
@@ -30,6 +32,7 @@ class PenaltyState:
         self.bias_ids, self.bias = ids(bias), torch.tensor(list(bias.values()), device=device)
 
     def update(self, output_token_ids: list[int]) -> None:
+        """Count the output tokens sampled since the last update."""
         if len(output_token_ids) > self.counted:
             new = torch.tensor(output_token_ids[self.counted:], dtype=torch.long, device=self.counts.device)
             self.counts.index_add_(0, new, torch.ones(len(new), device=self.counts.device))
