@@ -119,6 +119,22 @@ def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:
     assert first.usage.completion_tokens == 4 * 8
 
 
+def test_n_choices_share_one_prefill(client: openai.OpenAI, server, offline: LLM) -> None:
+    """The later choices of a prompt wait for the first one's prefill and reuse its cached blocks."""
+    def cache_hits() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name.startswith("plaserve_prefix_cache_hit_tokens"))
+
+    prompt = [(7 * i) % 300 + 1 for i in range(101)]  # 6 full blocks of 16 before its last token
+    text, _, _ = _offline_text(offline, prompt, 5, ignore_eos=True)
+    before = cache_hits()
+    resp = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, n=3, max_tokens=5,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    assert [c.text for c in resp.choices] == [text] * 3
+    assert cache_hits() - before == 2 * 96  # choices 1 and 2 computed only the last 5 prompt tokens
+
+
 def test_streamed_chat_with_n_choices_equals_the_whole_response(client: openai.OpenAI) -> None:
     args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], n=3,
                 max_tokens=8, temperature=1.0, seed=5)

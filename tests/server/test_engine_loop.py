@@ -60,3 +60,45 @@ def test_snapshot_is_the_state_as_each_step_starts():
         assert 0 <= age < 1.0
     final = loop.snapshot().load
     assert final["num_requests"] == 0 and sum(final["backlog_s"].values()) == 0  # published on going idle
+
+
+class TokenRunner:
+    """A model-free runner: every sampling item gets token 65, after a short sleep per step."""
+
+    def execute(self, batch) -> dict[int, int]:
+        time.sleep(0.002)
+        return {i: 65 for i, item in enumerate(batch.items) if item.samples}
+
+
+def test_choices_wait_for_the_first_to_share_its_prefill():
+    """Choices submitted ``after`` a sibling enter the engine only once it has its first token, then find
+    its full prompt blocks in the prefix cache; one aborted while held is dropped; nothing leaks."""
+    config = EngineConfig.from_kwargs(kv_cache_memory="64MiB", max_model_len=4096, policy="fcfs")
+    engine = LLMEngine(config, runner=TokenRunner(), cost=CostModel(g1=1e-4, g2=0.0))
+    loop = EngineLoop(engine, snapshot_interval=0.0)
+    prompt, params = list(range(1, 101)), SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def main() -> dict[str, float]:
+        queue: asyncio.Queue = asyncio.Queue()
+        sink = lambda i: OutputSink(asyncio.get_running_loop(), queue, i)  # noqa: E731
+        loop.start()
+        subs = [Submission("c-0", prompt, params, engine.clock(), sink(0))]
+        subs += [Submission(f"c-{i}", prompt, params, engine.clock(), sink(i), after="c-0") for i in (1, 2, 3)]
+        loop.submit(subs)
+        loop.abort("c-3")  # taken in with the submissions: c-3 is held, so it is just dropped
+        first_tokens: dict[str, float] = {}
+        finished = 0
+        while finished < 3:
+            i, out = await asyncio.wait_for(queue.get(), 10)
+            first_tokens[out.request_id] = out.metrics.first_token_time
+            finished += out.finished
+        loop.stop()
+        assert queue.empty()  # nothing ever came for c-3
+        return first_tokens
+
+    first_tokens = asyncio.run(main())
+    assert set(first_tokens) == {"c-0", "c-1", "c-2"}
+    assert first_tokens["c-1"] > first_tokens["c-0"] and first_tokens["c-2"] > first_tokens["c-0"]
+    # 100 prompt tokens: 6 full blocks of 16 are shared with each later choice.
+    assert engine.allocator.num_cache_hits == 2 * 96
+    assert engine.allocator.num_used_blocks == 0 and not loop._held and not engine.has_unfinished()

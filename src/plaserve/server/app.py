@@ -119,7 +119,7 @@ class _Handlers:
         # Each choice's echo is its prompt as sent (token ids decoded), as vLLM echoes it.
         echo = [p if isinstance(p, str) else self.tokenizer.decode(list(p), skip_special_tokens=False)
                 for p in req.prompts for _ in range(req.sampling.n)] if req.echo else None
-        gen = Generation.submit(self.loop, rid, prompts, params)
+        gen = Generation.submit(self.loop, rid, prompts, params, req.sampling.n)
         if req.stream:
             return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling, echo))
         outputs = await self._wait(request, gen)
@@ -133,7 +133,8 @@ class _Handlers:
         ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation.submit(self.loop, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens))
+        gen = Generation.submit(self.loop, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens),
+                                req.sampling.n)
         if req.stream:
             return EventStreamResponse(self._stream_chat(gen, rid, req.include_usage, req.sampling))
         outputs = await self._wait(request, gen)

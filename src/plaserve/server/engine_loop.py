@@ -55,13 +55,20 @@ class OutputSink:
 
 @dataclass
 class Submission:
-    """A validated request on its way to the engine. ``arrival_time`` is on the engine's clock."""
+    """A validated request on its way to the engine. ``arrival_time`` is on the engine's clock.
+
+    ``after``: the id of a request with the same prompt (another choice of the same HTTP request). This
+    one is held back until that one has its first token, so that its prompt's KV blocks are in the
+    prefix cache and only the last, partial block is computed again: ``n`` choices cost one prefill,
+    not ``n``. Its TTFT still counts from ``arrival_time``.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
     sink: OutputSink
+    after: str | None = None
 
 
 @dataclass
@@ -118,10 +125,11 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
         self._in_transit = 0  # submissions taken from the inbox, not yet counted in _num_waiting
-        self._num_waiting = 0  # the engine's waiting queue length after the last step
+        self._num_waiting = 0  # the engine's waiting queue length after the last step, held submissions too
         self._stopping = False
         self._error: BaseException | None = None
         self._tracked: dict[str, _Tracked] = {}
+        self._held: dict[str, list[Submission]] = {}  # by the request they wait for (Submission.after)
         self._thread: threading.Thread | None = None
         self._last_publish = 0.0
         self._snapshot = self._take_snapshot(pending=0)
@@ -212,21 +220,40 @@ class EngineLoop:
     def _apply(self, commands: list[_Command]) -> None:
         for cmd in commands:
             if isinstance(cmd, Submission):
-                try:
-                    req = self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id,
-                                                  arrival_time=cmd.arrival_time)
-                except ValueError as e:  # validated on the HTTP side already; this is the safety net
-                    cmd.sink.put(e)
-                    continue
-                self._tracked[req.request_id] = _Tracked(req, cmd.sink)
+                leader = self._tracked.get(cmd.after) if cmd.after is not None else None
+                if leader is not None and leader.tokens_seen == 0:
+                    self._held.setdefault(cmd.after, []).append(cmd)
+                else:
+                    self._add(cmd)
             else:
                 self._abort(cmd.request_id)
+        self._count_waiting()
+
+    def _add(self, sub: Submission) -> None:
+        try:
+            req = self.engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id,
+                                          arrival_time=sub.arrival_time)
+        except ValueError as e:  # validated on the HTTP side already; this is the safety net
+            sub.sink.put(e)
+            self._release(sub.request_id)
+            return
+        self._tracked[req.request_id] = _Tracked(req, sub.sink)
+
+    def _release(self, request_id: str) -> None:
+        """Add the submissions held for ``request_id`` (its first token is out, or it is gone)."""
+        for sub in self._held.pop(request_id, []):
+            self._add(sub)
+
+    def _count_waiting(self) -> None:
         with self._cond:
-            self._num_waiting = len(self.engine.scheduler.waiting)
+            self._num_waiting = len(self.engine.scheduler.waiting) + sum(map(len, self._held.values()))
             self._in_transit = 0
 
     def _abort(self, request_id: str) -> None:
+        for held in self._held.values():
+            held[:] = [sub for sub in held if sub.request_id != request_id]  # never added: just dropped
         tracked = self._tracked.pop(request_id, None)
+        self._release(request_id)
         if tracked is None or not self.engine.abort(request_id):
             return
         req = tracked.request
@@ -238,8 +265,9 @@ class EngineLoop:
         now = self.clock()
         for out in outputs:
             self._deliver(out, now)
+            self._release(out.request_id)  # its prompt's blocks are in the prefix cache now
+        self._count_waiting()
         with self._cond:
-            self._num_waiting = len(self.engine.scheduler.waiting)
             if self.engine.last_batch is None and not self._inbox and not self._stopping:
                 # The policy ran nothing although work is queued (it holds short requests for a batch
                 # window): sleep until it will have work instead of spinning; a new command wakes us early.
@@ -273,8 +301,9 @@ class EngineLoop:
         with self._cond:
             pending = [c for c in self._inbox if isinstance(c, Submission)]
             self._inbox = []
-        for sub in pending:
+        for sub in [*pending, *(sub for held in self._held.values() for sub in held)]:
             sub.sink.put(error)
+        self._held.clear()
         for tracked in self._tracked.values():
             tracked.sink.put(error)
         self._tracked.clear()

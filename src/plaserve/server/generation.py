@@ -37,13 +37,26 @@ class Generation:
 
     @classmethod
     def submit(cls, engine_loop: EngineLoop, request_id: str, prompts: list[list[int]],
-               params: list[SamplingParams]) -> "Generation":
-        """Queue one engine request per prompt (ids ``{request_id}-{i}``); 429 when the queue is full,
-        503 when the engine is not running."""
+               params: list[SamplingParams], n: int = 1) -> "Generation":
+        """Queue one engine request per prompt (ids ``{request_id}-{i}``), where each run of ``n``
+        consecutive prompts is one prompt's choices; 429 when the queue is full, 503 when the engine is
+        not running, 400 for more requests than the queue can hold.
+
+        With the prefix cache on, a prompt's other choices wait for its first one's first token and
+        then find its blocks cached (see ``Submission.after``), unless there is no full block to share
+        or they want prompt logprobs (which reuse no cached blocks)."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         arrival = engine_loop.clock()  # TTFT counts from here, including time in the inbox
-        subs = [Submission(f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i))
+        engine = engine_loop.engine
+
+        def leader(i: int) -> str | None:
+            first = i - i % n
+            shares = (i != first and engine.config.enable_prefix_caching and params[i].prompt_logprobs is None
+                      and len(prompts[i]) > engine.config.block_size)
+            return f"{request_id}-{first}" if shares else None
+
+        subs = [Submission(f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i), after=leader(i))
                 for i, (ids, p) in enumerate(zip(prompts, params))]
         try:
             engine_loop.submit(subs)
