@@ -205,13 +205,13 @@ def test_a_client_that_leaves_frees_its_place_on_the_worker():
     run(main())
 
 
-def test_n_choices_count_as_n_prefills_in_the_estimate():
+
+def test_a_prompt_counts_once_whatever_its_n():
     async def main():
         async with cluster([gpu()]) as c:
-            one = await c.router.estimate("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]]})
-            three = await c.router.estimate("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]], "n": 3})
-            assert one.tokens == (3, 2) and three.tokens == (3, 3, 3, 2, 2, 2)
-            bad = await c.router.estimate("/v1/completions", {"prompt": [[1, 2, 3]], "n": "3"})
-            assert bad.tokens == (3,)  # the worker refuses it; the estimate does not guess
+            body = {"prompt": [[1, 2, 3], [4, 5]]}
+            one = await c.router.estimate("/v1/completions", body)
+            three = await c.router.estimate("/v1/completions", {**body, "n": 3})
+            assert one.tokens == three.tokens == (3, 2)  # the worker prefills each prompt once for its choices
 
     run(main())

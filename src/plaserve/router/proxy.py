@@ -217,19 +217,12 @@ class Router:
         return None
 
     async def estimate(self, path: str, body: dict[str, Any]) -> Estimate:
-        """The prompt lengths of a generation request, each as many times as the worker will prefill it
-        (``n`` choices per prompt are ``n`` requests on the worker)."""
+        """The prompt lengths of a generation request. Each prompt counts once whatever its ``n``: a
+        plaserve worker prefills it once for all its choices (the later ones reuse its cached blocks)."""
         remote = self._remote_tokenize if self.estimator.tokenizer is None else None
         if path == "/v1/chat/completions":
-            est = await self.estimator.chat(body, remote)
-        else:
-            est = await self.estimator.completion(body, remote)
-        n = body.get("n")
-        if isinstance(n, float) and n.is_integer():  # JSON's 3.0 is the worker's 3 too
-            n = int(n)
-        if type(n) is int and 1 < n <= 128:  # anything else the worker refuses
-            est = Estimate(tuple(t for t in est.tokens for _ in range(n)), est.method)
-        return est
+            return await self.estimator.chat(body, remote)
+        return await self.estimator.completion(body, remote)
 
     # --- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
