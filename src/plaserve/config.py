@@ -26,6 +26,7 @@ class SchedulerConfig:
     long_aging: float = 0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
     late_yield: float = 2.0  # pla: a request that will miss its TTFT SLO queues behind on-time ones until it has waited this many SLOs (0: never)
     static_short_batches: bool = True  # pla: right-pad short batches to their (batch, bucket) grid shape
+    max_static_batch_tokens: int | None = None  # pla: most tokens in one padded batch (the engine sets it from cuda_graph_memory)
     ttft_slo_factor: float = 5.0  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
     ttft_slo_floor: float = 0.25
 
@@ -47,6 +48,10 @@ class EngineConfig:
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
     use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
+    # Activation memory the static grid may take (captured graphs keep theirs reserved): bytes, a size
+    # string or a fraction of free device memory. It caps the tokens of one padded batch, so the grid
+    # holds no shape larger than the budget allows.
+    cuda_graph_memory: str = "1GiB"
     # Right-pad short batches to static (batch, bucket) shapes: "auto" does so where CUDA graphs are
     # captured (the padding buys a graph replay); elsewhere padding is pure extra compute, so short
     # batches run varlen (and decodes ride along). "always" / "never" force it (tests use "always").

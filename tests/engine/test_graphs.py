@@ -90,3 +90,21 @@ def test_cuda_graph_replay_equals_eager(llama_ckpt):  # pragma: no cover - runs 
     eager_items = [start(eager_engine, it.request.prompt_token_ids) for it in items]
     eager = eager_engine.runner.logits(ScheduledBatch(eager_items, kind="short", bucket=32))
     torch.testing.assert_close(graph, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_memory_budget_bounds_the_grid(llama_ckpt):
+    """The grid holds no shape whose activations exceed ``cuda_graph_memory``; a short batch that would
+    is planned smaller, and a bucket beyond the budget takes the varlen fallback."""
+    full = make_engine(llama_ckpt)
+    per_token = full.model_config.activation_bytes_per_token(4)  # float32 on CPU
+    assert per_token > 0 and max(b * k for b, k in full.runner.grid.runners) == 2048  # 1 GiB: the step cap binds
+    engine = make_engine(llama_ckpt, cuda_graph_memory=str(100 * per_token))  # room for 100 tokens
+    assert engine.scheduler.static_token_cap == 100
+    shapes = set(engine.runner.grid.runners)
+    assert shapes and all(b * k <= 100 for b, k in shapes) and (2, 32) in shapes and (4, 32) not in shapes
+    assert not any(k == 128 for _, k in shapes)  # a 128-token bucket alone is over the budget
+    for n in (20, 25, 30, 18):  # four prompts of the 32-token bucket: batches of two
+        engine.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=1, temperature=0))
+    engine.scheduler.next_wakeup(engine.clock())
+    plan = engine.scheduler.short_batch_plan()
+    assert plan is not None and plan[1] == 32 and len(plan[0]) == 2

@@ -97,6 +97,9 @@ class LLMEngine:
         sched = config.scheduler
         if sched.policy not in POLICIES:
             raise ValueError(f"unknown policy {sched.policy!r}; choose one of {', '.join(POLICIES)}")
+        if sched.static_short_batches and sched.max_static_batch_tokens is None:
+            sched = dataclasses.replace(sched, max_static_batch_tokens=self._static_token_budget())
+            self.config = config = dataclasses.replace(config, scheduler=sched)
         self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
         if runner is None:
             assert loaded is not None
@@ -122,6 +125,16 @@ class LLMEngine:
         if isinstance(self.runner, ModelRunner):
             budget = self.config.scheduler.max_num_batched_tokens
             self.runner.warm_up(max(1, min(budget, self.max_model_len - 1)))
+
+    def _static_token_budget(self) -> int:
+        """Tokens one padded static batch may hold so that its activations fit ``cuda_graph_memory``
+        (a captured graph keeps its shape's activation memory reserved)."""
+        budget = parse_memory(self.config.cuda_graph_memory, available_memory(self.device))
+        per_token = self.model_config.activation_bytes_per_token(torch.finfo(self.dtype).bits // 8)
+        tokens = max(1, budget // per_token)
+        log.info("static short batches: at most %d tokens each (%s of activations at %d bytes a token)",
+                 tokens, self.config.cuda_graph_memory, per_token)
+        return tokens
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model_config

@@ -53,6 +53,15 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + emb + h
 
+    def activation_bytes_per_token(self, element_size: int) -> int:
+        """Estimated peak activation bytes one token takes in a forward pass: one layer's working set
+        (hidden, residual and norm, fused q/k/v and their rotated copies, attention output, the MLP's
+        gate/up and activation) plus the output. Layers run one after another, so this does not grow
+        with depth; it is what a captured CUDA graph keeps reserved per token of its shape."""
+        h, d = self.hidden_size, self.head_dim
+        qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
+        return element_size * (4 * h + 2 * qkv + self.num_attention_heads * d + 3 * self.intermediate_size)
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV-cache bytes one token occupies across all layers, per byte of element size."""

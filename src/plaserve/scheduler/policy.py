@@ -98,14 +98,22 @@ class PlaScheduler(Scheduler):
         if req.num_tokens >= self.config.short_threshold:
             req.length_class = "long"
 
+    @property
+    def static_token_cap(self) -> int:
+        """Most tokens (padding included) one static short batch may hold: the per-batch token cap, and
+        the engine's graph-memory budget (``max_static_batch_tokens``) when it sets one."""
+        return min(self.max_num_batched_tokens, self.config.max_static_batch_tokens or self.max_num_batched_tokens)
+
     def max_batch_for(self, bucket: int) -> int:
-        """Deepest batch size for ``bucket`` within the per-batch token cap."""
-        cap = max(1, self.max_num_batched_tokens // bucket)
+        """Deepest batch size for ``bucket`` within :attr:`static_token_cap` (at least 1)."""
+        cap = max(1, self.static_token_cap // bucket)
         return max(b for b in self.batch_sizes if b <= cap)
 
     def grid_shapes(self) -> list[tuple[int, int]]:
-        """Every ``(batch, bucket)`` a short batch can have: the static runner grid to build."""
-        return [(b, k) for k in self.buckets for b in self.batch_sizes if b <= self.max_batch_for(k)]
+        """Every ``(batch, bucket)`` a short batch can have: the static runner grid to build. A bucket
+        larger than :attr:`static_token_cap` gets no entry: its batches take the varlen fallback."""
+        return [(b, k) for k in self.buckets for b in self.batch_sizes
+                if b <= self.max_batch_for(k) and b * k <= self.static_token_cap]
 
     def _uncached(self, req: Request) -> int:
         return req.uncached_estimate

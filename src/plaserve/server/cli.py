@@ -24,6 +24,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="scheduling policy, e.g. pla, fcfs, spf (default: the engine's)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) in tokens")
     p.add_argument("--kv-cache-memory", default="auto", help="KV cache size: bytes, 2GiB, or a fraction like 0.5")
+    p.add_argument("--cuda-graph-memory", default="1GiB",
+                   help="activation memory the captured (batch, bucket) grid may take: bytes, 1GiB, or a fraction")
     p.add_argument("--profile", default=None, help="calibrated cost profile (from `plaserve calibrate`)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
     p.add_argument("--max-queue", type=int, default=None,
@@ -42,7 +44,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` the flags describe (unset flags keep the engine's defaults)."""
     kwargs: dict[str, object] = {"model": args.model, "kv_cache_memory": args.kv_cache_memory,
                                  "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
-                                 "seed": args.seed}
+                                 "seed": args.seed, "cuda_graph_memory": args.cuda_graph_memory}
     if args.policy is not None:
         kwargs["policy"] = args.policy
     if args.max_num_seqs is not None:
