@@ -94,7 +94,9 @@ def capture_grid(engine: LLMEngine) -> tuple[GraphGrid | None, dict]:
     runner = engine.runner
     assert isinstance(runner, ModelRunner)
     shapes = engine.scheduler.grid_shapes()
-    info: dict = {"shapes": len(shapes)}
+    # What the engine's cuda_graph_memory budget assumes the largest shape takes, to compare with the pool.
+    per_token = engine.model_config.activation_bytes_per_token(torch.finfo(engine.dtype).bits // 8)
+    info: dict = {"shapes": len(shapes), "estimated_mib": per_token * max(b * k for b, k in shapes) / 2**20}
     if runner.device.type != "cuda":
         return None, info
     sync(runner.device)
@@ -242,7 +244,8 @@ def table(results: dict) -> str:
             f"torch {results['torch']}. ")
     if "capture_s" in cap:
         head += (f"Captured {cap['shapes']} grid shapes in {cap['capture_s']:.1f} s; the graph pool takes "
-                 f"{cap['graph_pool_mib']:.0f} MiB.")
+                 f"{cap['graph_pool_mib']:.0f} MiB (the engine's budget estimate for the largest shape: "
+                 f"{cap['estimated_mib']:.0f} MiB).")
     elif "capture_error" in cap:
         head += f"Capturing {cap['shapes']} grid shapes FAILED ({cap['capture_error']}): the graph columns read \"-\"."
     else:
