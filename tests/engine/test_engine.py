@@ -186,3 +186,23 @@ def _close(a, b, tol: float = 1e-4) -> bool:
     return (len(a.output_logprobs) == len(b.output_logprobs) == len(a.output_token_ids)
             and len(a.prompt_logprobs) == len(b.prompt_logprobs) == a.num_prompt_tokens
             and all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < tol for x, y in pairs))
+
+
+def test_offline_n_choices_share_one_prefill(llama_ckpt):
+    """``SamplingParams(n=3)``: one output per prompt with three sequences; choice j is what a single
+    request seeded seed + j gives; the later choices reuse the first one's prompt blocks."""
+    from plaserve import LLM
+
+    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=1024)
+    prompt = prompts(100, seed=3)[0]
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    out = llm.generate([prompt, prompt[:10]], params)
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert llm.engine.allocator.num_cache_hits == 2 * 96  # the 10-token prompt has no full block to share
+    alone = make_engine(llama_ckpt, enable_prefix_caching=False)
+    for j, choice in enumerate(out[0].outputs):
+        single = SamplingParams(max_tokens=6, temperature=1.0, seed=7 + j, ignore_eos=True)
+        assert choice.token_ids == run(alone, [prompt], single)[0].output_token_ids
+    assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1
+    with pytest.raises(ValueError):
+        SamplingParams(n=0)

@@ -176,6 +176,13 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
+    def shares_prefill(self, num_prompt_tokens: int, params: SamplingParams) -> bool:
+        """Whether a prompt's later choices gain by waiting for its first choice's first token: then its
+        prompt blocks are in the prefix cache (on, and a full block before the last token) and they
+        compute only the rest. Not with prompt logprobs, which reuse no cached blocks."""
+        return (self.config.enable_prefix_caching and params.prompt_logprobs is None
+                and num_prompt_tokens > self.config.block_size)
+
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError when a prompt cannot be served."""
         if not token_ids:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 from plaserve.config import EngineConfig
 from plaserve.engine.engine import LLMEngine
-from plaserve.engine.request import RequestOutput, SamplingParams
+from plaserve.engine.request import Request, RequestOutput, SamplingParams
 from plaserve.model.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -35,12 +36,35 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        while any(not r.finished for r in reqs):
+        # One engine request per choice. A prompt's later choices join once its first has its first
+        # token, when that lets them reuse its prompt blocks from the prefix cache (one prefill for n).
+        groups: list[list[Request]] = []
+        held: dict[str, tuple[Prompt, list[SamplingParams]]] = {}  # by the first choice's request id
+        for prompt, sp in zip(prompts, sampling_params):
+            first, *rest = sp.choices()
+            leader = self.engine.add_request(prompt, first)
+            groups.append([leader])
+            if rest and self.engine.shares_prefill(leader.num_prompt_tokens, first):
+                held[leader.request_id] = (prompt, rest)
+            else:
+                groups[-1] += [self.engine.add_request(prompt, c) for c in rest]
+        while held or any(not r.finished for group in groups for r in group):
+            for group in groups:
+                leader = group[0]
+                if leader.request_id in held and (leader.output_token_ids or leader.finished):
+                    prompt, rest = held.pop(leader.request_id)
+                    group += [self.engine.add_request(prompt, c) for c in rest]
             self.engine.step()
             if self.engine.last_batch is None:  # e.g. short requests inside their batch window
                 self.engine.wait_for_work()
-        return [RequestOutput.of(r) for r in reqs]
+        return [self._output(group) for group in groups]
+
+    @staticmethod
+    def _output(group: list[Request]) -> RequestOutput:
+        """One prompt's output, its choices' sequences in order (vLLM's shape for ``n`` > 1)."""
+        out = RequestOutput.of(group[0])
+        out.outputs = [dataclasses.replace(RequestOutput.of(r).outputs[0], index=j) for j, r in enumerate(group)]
+        return out
 
     def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
         """Generate one assistant turn for a conversation, using the tokenizer's chat template."""

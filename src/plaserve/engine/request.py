@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ MAX_LOGPROBS = 20  # most likely tokens reported per position (vLLM's default ca
 class SamplingParams:
     """How to pick tokens and when to stop (the fields and defaults of vLLM's ``SamplingParams``)."""
 
+    n: int = 1  # choices per prompt (the offline LLM and the server fan out; an engine request is one)
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -40,6 +42,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache reuse)
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
@@ -71,6 +75,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def choices(self) -> list[SamplingParams]:
+        """One single-choice copy per choice: choice ``j`` of a seeded request samples with ``seed + j``,
+        so the choices differ and the request stays reproducible."""
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)]
 
     @property
     def penalised(self) -> bool:

@@ -92,12 +92,10 @@ class _Handlers:
 
     @staticmethod
     def _params(s: SamplingFields, max_tokens: int) -> list[SamplingParams]:
-        """The engine parameters of the ``n`` choices of one prompt. Choice ``j`` of a seeded request
-        samples with seed ``seed + j``: the choices differ, and the request stays reproducible."""
-        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("n", "max_tokens")}
+        """The engine parameters of the ``n`` choices of one prompt (see ``SamplingParams.choices``)."""
+        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "max_tokens"}
         try:
-            return [SamplingParams(**{**fields, "max_tokens": max_tokens,
-                                      "seed": None if s.seed is None else s.seed + j}) for j in range(s.n)]
+            return SamplingParams(**fields, max_tokens=max_tokens).choices()
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 

@@ -42,9 +42,8 @@ class Generation:
         consecutive prompts is one prompt's choices; 429 when the queue is full, 503 when the engine is
         not running, 400 for more requests than the queue can hold.
 
-        With the prefix cache on, a prompt's other choices wait for its first one's first token and
-        then find its blocks cached (see ``Submission.after``), unless there is no full block to share
-        or they want prompt logprobs (which reuse no cached blocks)."""
+        A prompt's other choices wait for its first one's first token and then find its blocks cached
+        (see ``Submission.after``), where that pays (``LLMEngine.shares_prefill``)."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         arrival = engine_loop.clock()  # TTFT counts from here, including time in the inbox
@@ -52,8 +51,7 @@ class Generation:
 
         def leader(i: int) -> str | None:
             first = i - i % n
-            shares = (i != first and engine.config.enable_prefix_caching and params[i].prompt_logprobs is None
-                      and len(prompts[i]) > engine.config.block_size)
+            shares = i != first and engine.shares_prefill(len(prompts[i]), params[i])
             return f"{request_id}-{first}" if shares else None
 
         subs = [Submission(f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i), after=leader(i))
