@@ -17,7 +17,10 @@ every shape of batch 1-16 x bucket 64-512:
   ``--launch-reps``;
 * **latency**: one prefill step (``ModelRunner.execute``: pack, forward, logits of the last tokens,
   sampling) timed end to end with synchronisation, median of ``--latency-reps``, for the graph, the
-  static eager path and the varlen eager path (what pla runs when padding does not pay).
+  static eager path and the varlen eager path (what pla runs when padding does not pay);
+* **end to end**: a burst of short prompts through whole engines on the same weights: pla with padded
+  batches (graph replays), pla varlen, and fcfs: wall time, TTFT p50 / p99, grid hits, and how many
+  greedy outputs equal fcfs's.
 
 Prints a table and writes ``gpu_graphs.json`` (and the table as ``gpu_graphs.md``) under ``--out``.
 ``--device cpu`` runs the same code on a small float32 model without capture (the graph columns read
@@ -42,7 +45,7 @@ from plaserve.engine.graphs import GraphGrid
 from plaserve.engine.runner import ModelRunner, pack
 from plaserve.model.config import ModelConfig
 from plaserve.model.default import DEFAULT_CONFIG
-from plaserve.model.loader import random_model
+from plaserve.model.loader import LoadedModel, random_model
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
 # Qwen2.5-0.5B's layer shapes as a plain Llama (no q/k/v bias) with a 32k vocabulary and an untied head.
@@ -64,23 +67,34 @@ class Setup:
     launch_reps: int
     latency_reps: int
     kv_cache_memory: str
+    e2e_requests: int  # the end-to-end burst: this many short prompts at once ...
+    e2e_output: int  # ... of this many output tokens each
 
 
-GPU = Setup(LLAMA_05B, "cuda", "bfloat16", (1, 2, 4, 8, 16), (64, 128, 256, 512), 50, 20, "8GiB")
-CPU = Setup(DEFAULT_CONFIG, "cpu", "float32", (1, 2, 4), (64, 128), 3, 3, "256MiB")
+GPU = Setup(LLAMA_05B, "cuda", "bfloat16", (1, 2, 4, 8, 16), (64, 128, 256, 512), 50, 20, "8GiB", 256, 16)
+CPU = Setup(DEFAULT_CONFIG, "cpu", "float32", (1, 2, 4), (64, 128), 3, 3, "256MiB", 12, 4)
+
+# The end-to-end systems: whole engines on the same weights. "pla padded" replays the captured grid on
+# CUDA (static buffers run eagerly on CPU); "pla varlen" is pla without padding; fcfs is vLLM's default.
+E2E_SYSTEMS = {"pla padded": {"policy": "pla", "pad_short_batches": "always"},
+               "pla varlen": {"policy": "pla", "pad_short_batches": "never"},
+               "fcfs": {"policy": "fcfs"}}
 
 
-def build_engine(setup: Setup) -> LLMEngine:
-    """A pla engine with padded short batches and an uncaptured (eager) grid holding every measured shape."""
-    device = torch.device(setup.device)
+def load(setup: Setup) -> LoadedModel:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[setup.dtype]
-    loaded = random_model(setup.model, dtype, device, name="random-llama")
+    return random_model(setup.model, dtype, torch.device(setup.device), name="random-llama")
+
+
+def build_engine(setup: Setup, loaded: LoadedModel, **overrides: object) -> LLMEngine:
+    """An engine on ``loaded``; by default pla with padded short batches and an uncaptured (eager) grid
+    holding every measured shape."""
+    args = dict(policy="pla", pad_short_batches="always", use_cuda_graphs=False) | overrides
     config = EngineConfig.from_kwargs(
-        device=setup.device, dtype=setup.dtype, policy="pla", pad_short_batches="always", use_cuda_graphs=False,
-        kv_cache_memory=setup.kv_cache_memory, max_model_len=2048, enable_prefix_caching=False,
-        short_threshold=max(setup.buckets), max_short_batch=max(setup.batches),
+        device=setup.device, dtype=setup.dtype, kv_cache_memory=setup.kv_cache_memory, max_model_len=2048,
+        enable_prefix_caching=False, short_threshold=max(setup.buckets), max_short_batch=max(setup.batches),
         # The default 2048-token cap on a short batch would leave out 8 x 512 and 16 x 256 and up.
-        max_num_batched_tokens=max(setup.batches) * max(setup.buckets))
+        max_num_batched_tokens=max(setup.batches) * max(setup.buckets), **args)
     return LLMEngine(config, loaded=loaded)
 
 
@@ -209,10 +223,47 @@ def measure_shape(engine: LLMEngine, grids: dict[str, GraphGrid | None], batch_s
     return row
 
 
+def end_to_end(setup: Setup, loaded: LoadedModel, progress: Callable[[str], None]) -> dict[str, dict]:
+    """A burst of ``e2e_requests`` short prompts (lengths uniform in 16..the largest bucket), all at once,
+    through each of :data:`E2E_SYSTEMS`: wall time, TTFT percentiles, and outputs identical to fcfs's
+    (greedy; bfloat16 padded and varlen kernels may round differently, so this is counted, not asserted)."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(16, max(setup.buckets) + 1, (setup.e2e_requests,), generator=gen).tolist()
+    prompts = [torch.randint(0, setup.model.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=setup.e2e_output, temperature=0, ignore_eos=True)
+    results: dict[str, dict] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for name, overrides in E2E_SYSTEMS.items():
+        engine = build_engine(setup, loaded, use_cuda_graphs=True, **overrides)
+        engine.warm_up()
+        sync(engine.device)
+        start = time.perf_counter()
+        reqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+            if engine.last_batch is None:
+                engine.wait_for_work()
+        sync(engine.device)
+        wall = time.perf_counter() - start
+        ttfts = sorted(r.metrics.ttft for r in reqs)
+        outputs[name] = [r.output_token_ids for r in reqs]
+        results[name] = {"wall_s": wall, "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
+                         "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+                         "steps": engine.num_steps, **engine.stats}
+        progress(f"end to end, {name}: {wall:.2f} s")
+        del engine, reqs
+        if setup.device == "cuda":
+            torch.cuda.empty_cache()
+    for name in results:
+        results[name]["identical_to_fcfs"] = sum(a == b for a, b in zip(outputs[name], outputs["fcfs"]))
+    return results
+
+
 def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Build, capture, measure every shape; returns everything the table shows."""
+    """Build, capture, measure every shape, then the end-to-end burst; returns everything the tables show."""
     start = time.perf_counter()
-    engine = build_engine(setup)
+    loaded = load(setup)
+    engine = build_engine(setup, loaded)
     progress(f"model built in {time.perf_counter() - start:.1f} s")
     grids: dict[str, GraphGrid | None] = {"eager": engine.runner.grid}
     grids["graph"], capture = capture_grid(engine)
@@ -225,7 +276,11 @@ def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
             progress(f"({batch}, {bucket}) done")
     leaked = engine.allocator.num_used_blocks
     device = engine.device
-    return {"setup": dataclasses.asdict(setup),
+    del engine, grids  # free the KV cache and the graphs before the end-to-end engines take theirs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    e2e = end_to_end(setup, loaded, progress)
+    return {"setup": dataclasses.asdict(setup), "end_to_end": e2e,
             "model": {"params": setup.model.num_params, "layers": setup.model.num_hidden_layers,
                       "hidden": setup.model.hidden_size, "vocab": setup.model.vocab_size},
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -268,6 +323,14 @@ def table(results: dict) -> str:
     lines.append("")
     lines.append("dlogit / dKV: largest absolute difference over the real tokens' logits / K and V. Launch: host "
                  "time of one static-runner call, not synchronised. Latency: one whole prefill step, synchronised.")
+    setup = results["setup"]
+    lines += ["", f"End to end: {setup['e2e_requests']} prompts of 16-{max(setup['buckets'])} tokens at once, "
+              f"{setup['e2e_output']} output tokens each, greedy.", "",
+              "| system | wall s | TTFT p50 ms | p99 | steps | grid hits | grid fallbacks | outputs identical to fcfs |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, r in results["end_to_end"].items():
+        lines.append(f"| {name} | {r['wall_s']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['steps']} "
+                     f"| {r['grid_hits']} | {r['grid_fallbacks']} | {r['identical_to_fcfs']}/{setup['e2e_requests']} |")
     return "\n".join(lines)
 
 
