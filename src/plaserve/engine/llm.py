@@ -39,21 +39,19 @@ class LLM:
         # One engine request per choice. A prompt's later choices join once its first has its first
         # token, when that lets them reuse its prompt blocks from the prefix cache (one prefill for n).
         groups: list[list[Request]] = []
-        held: dict[str, tuple[Prompt, list[SamplingParams]]] = {}  # by the first choice's request id
+        held: dict[int, tuple[Prompt, list[SamplingParams]]] = {}  # by group: the choices still to add
         for prompt, sp in zip(prompts, sampling_params):
             first, *rest = sp.choices()
             leader = self.engine.add_request(prompt, first)
             groups.append([leader])
             if rest and self.engine.shares_prefill(leader.num_prompt_tokens, first):
-                held[leader.request_id] = (prompt, rest)
+                held[len(groups) - 1] = (prompt, rest)
             else:
                 groups[-1] += [self.engine.add_request(prompt, c) for c in rest]
         while held or any(not r.finished for group in groups for r in group):
-            for group in groups:
-                leader = group[0]
-                if leader.request_id in held and (leader.output_token_ids or leader.finished):
-                    prompt, rest = held.pop(leader.request_id)
-                    group += [self.engine.add_request(prompt, c) for c in rest]
+            for i in [i for i in held if groups[i][0].output_token_ids or groups[i][0].finished]:
+                prompt, rest = held.pop(i)
+                groups[i] += [self.engine.add_request(prompt, c) for c in rest]
             self.engine.step()
             if self.engine.last_batch is None:  # e.g. short requests inside their batch window
                 self.engine.wait_for_work()
