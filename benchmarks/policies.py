@@ -7,7 +7,7 @@ Setup, fixed before looking at results:
 * the embedded default model (random weights, float32, CPU), one engine per policy, same settings;
 * lengths of the Azure traces scaled by --length-scale (0.25; prompts capped at 4000, outputs at 64);
   arrivals rescaled so the predicted prefill work fills --load of the arrival window (code 0.68,
-  conversation 0.27: its long outputs add much decode work; the decode work comes on top, and the
+  conversation 0.31: its long outputs add much decode work; the decode work comes on top, and the
   measured utilization of each policy is printed: the loads aim fcfs at about 75 %);
 * TTFT SLO of each request = max(floor, 5 x its predicted isolated prefill time), the cost model being
   fitted on this machine at the start of the run;

@@ -139,6 +139,31 @@ def test_decode_gaps_are_bounded(pad):
     assert "long" in kinds and "short" in kinds
 
 
+def carries_decodes(batch) -> bool:
+    return any(it.num_tokens == 1 and it.request.output_token_ids for it in batch.items)
+
+
+@pytest.mark.parametrize("backlog", [False, True])
+def test_decodes_ride_every_varlen_step_unless_shorts_back_up(backlog):
+    # One request decodes throughout while 19 shorts arrive, one at a time or all together.
+    gap = 0.0 if backlog else 0.05
+    arrivals = [A(0.0, 50, 300)] + [A(0.05 + gap * i, 200, 2) for i in range(19)]
+    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never", max_prefill_steps_between_decodes=1,
+                                       ttft_slo_floor=0.1)
+    reqs = replay(engine, clock, arrivals)
+    assert all(r.finished for r in reqs)
+    decoding = (reqs[0].metrics.first_token_time, reqs[0].metrics.finish_time)
+    rides = [carries_decodes(b) for start, _, b in runner.batches
+             if decoding[0] <= start < decoding[1] and b.kind != "decode"]
+    assert len(rides) >= 4
+    if not backlog:
+        assert all(rides)
+        return
+    # A backlog: prefill goes first, and decodes ride every other step (D = 1).
+    assert not all(rides)
+    assert all(a or b for a, b in zip(rides, rides[1:]))
+
+
 def test_classification_uses_the_prefix_cache():
     engine, clock, runner = sim_engine(policy="pla", enable_prefix_caching=True, short_threshold=512)
     prompt = [(i * 7) % 500 for i in range(2000)]

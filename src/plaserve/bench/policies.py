@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one short slice (~2 min): the demo")
     p.add_argument("--length-scale", type=float, default=0.25)
     p.add_argument("--load", type=float, default=None,
-                   help="predicted prefill work / arrival window (default: code 0.68, conversation 0.27, "
+                   help="predicted prefill work / arrival window (default: code 0.68, conversation 0.31, "
                         "which keep fcfs busy near 75 %% of the window on the development machine; the "
                         "conversation trace's long outputs add much decode work)")
     p.add_argument("--policies", default=",".join(POLICIES))
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (35.0 if args.quick else 60.0)
     slices = [Slice("code", "azure_code_2023.csv", 0, 2000, args.load or 0.68)]
     if not args.quick:
-        slices.append(Slice("conv", "azure_conv_2023.csv", 0, 4000, args.load or 0.27))
+        slices.append(Slice("conv", "azure_conv_2023.csv", 0, 4000, args.load or 0.31))
     policies = args.policies.split(",")
     out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
     for s in [] if args.starvation_only else slices:

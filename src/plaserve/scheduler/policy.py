@@ -23,8 +23,10 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
   the requests that can still meet theirs, but only until it has waited ``late_yield`` SLOs; then it
   takes its place by deadline (shorts) or aged length (longs) again. Under overload this is what keeps
   a burst's late requests from making the next ones late too.
-* **Decode cadence.** While requests are decoding, at most ``D`` prefill steps run between two decode
-  steps, so a token's gap is bounded by ``D`` prefill steps plus one decode step.
+* **Decode cadence.** While requests are decoding, at most ``D`` prefill steps without decode tokens
+  run in a row, so a token's gap is bounded by ``D + 1`` steps. Decodes ride along every varlen
+  prefill step unless short requests are backed up (:meth:`short_backlog`); then they ride every
+  ``D + 1``-th step, and prefill goes first in between.
 """
 
 from __future__ import annotations
@@ -237,14 +239,15 @@ class PlaScheduler(Scheduler):
                     r.metrics.ready_time = max(ready_at, self.last_short_dispatch, r.metrics.arrival_time)
         decode_due = bool(decodes) and self.prefill_steps_since_decode >= c.max_prefill_steps_between_decodes
         long_due = long_pending and self.consecutive_short >= c.max_consecutive_short
+        riders = decodes if decode_due or not self.short_backlog(plan, long_pending) else []
 
         batch = ScheduledBatch([])
-        if decode_due:
+        if decode_due and c.static_short_batches:  # a padded short batch cannot carry decodes
             batch = self.schedule_decode(decodes)
         if not batch and short_ready and not long_due:
-            batch = self.schedule_short(plan, decodes)
+            batch = self.schedule_short(plan, riders)
         if not batch and long_pending:
-            batch = self.schedule_long(decodes)
+            batch = self.schedule_long(riders)
         if not batch and decodes:
             batch = self.schedule_decode(decodes)
 
@@ -258,6 +261,19 @@ class PlaScheduler(Scheduler):
             self.consecutive_short = self.consecutive_short + 1 if batch.kind == "short" else 0 if batch.kind == "long" \
                 else self.consecutive_short
         return batch
+
+    def short_backlog(self, plan: tuple[list[Request], int | None] | None, long_pending: bool) -> bool:
+        """Whether short requests are backed up: some are waiting, and either more of them than the
+        planned batch takes or a long prefill competes with them.
+
+        Decodes ride along every varlen prefill step, except during a backlog, where they ride only when
+        the decode cadence makes them due. On a CPU a decode token costs about as much as a prompt
+        token, so decodes riding every step of a backlog that is worked off one short batch at a time
+        take a share of the machine that fcfs's fewer, larger steps do not give them, and the backlog's
+        TTFT pays for it. The cadence still bounds their gaps."""
+        if plan is None:
+            return False
+        return long_pending or sum(1 for r in self.waiting if r.length_class == "short") > len(plan[0])
 
     def schedule_decode(self, decodes: list[Request]) -> ScheduledBatch:
         items: list[BatchItem] = []
