@@ -139,6 +139,14 @@ def test_decode_gaps_are_bounded(pad):
     assert "long" in kinds and "short" in kinds
 
 
+@pytest.mark.parametrize("tokens, chunks", [(700, [700]), (800, [512, 288]), (1200, [512, 688]),
+                                            (1300, [512, 512, 276])])
+def test_a_long_prefill_leaves_no_stub_of_under_half_a_chunk(tokens, chunks):
+    engine, clock, runner = sim_engine(policy="pla", long_chunk_size=512, short_threshold=512)
+    (req,) = replay(engine, clock, [A(0.0, tokens, 1)])
+    assert [n for _, _, n in req.metrics.prefill_chunks] == chunks
+
+
 def carries_decodes(batch) -> bool:
     return any(it.num_tokens == 1 and it.request.output_token_ids for it in batch.items)
 

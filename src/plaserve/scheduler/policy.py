@@ -14,7 +14,8 @@
 Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_between_decodes``):
 
 * **Head of line.** Once its batch's window has closed and it is at the head of the short queue, a
-  short request is dispatched after at most one long chunk (besides the step already running); decode
+  short request is dispatched after at most one long chunk (besides the step already running; a chunk
+  is ``long_chunk_size`` tokens, or up to half as many again when that finishes a request); decode
   steps run in between only as the decode cadence requires.
 * **Long progress.** While a long prefill is pending, at most ``K`` short batches run in a row before
   its next chunk. A long request at the head of the long queue with ``C`` chunks left therefore finishes
@@ -344,10 +345,20 @@ class PlaScheduler(Scheduler):
         waited = self._now - req.metrics.arrival_time
         return self.cost.prefill_time(req.uncached_estimate) - self.config.long_aging * waited
 
+    def long_chunk_budget(self, queue: list[Request]) -> int:
+        """Prefill tokens of the next long chunk: ``long_chunk_size``, stretched by up to half a chunk
+        to finish the head of the long ``queue``. A stub of less than half a chunk left over would wait
+        behind up to ``K`` more short batches for a step of its own, which adds their time to the long
+        request's TTFT for little work."""
+        size = self.config.long_chunk_size
+        if queue and size < queue[0].num_pending_tokens <= size + size // 2:
+            return queue[0].num_pending_tokens
+        return size
+
     def schedule_long(self, decodes: list[Request]) -> ScheduledBatch:
-        """One chunk of ``long_chunk_size`` prefill tokens, packed from the head of the long queue (a
-        request's last, partial chunk is topped up from the next), with every decode riding along:
-        the step is varlen and eager anyway, and a decode token costs little beside a chunk.
+        """One chunk of prefill tokens (:meth:`long_chunk_budget`), packed from the head of the long
+        queue (a request's last, partial chunk is topped up from the next), with ``decodes`` riding
+        along: the step is varlen and eager anyway, and a decode token costs little beside a chunk.
 
         Without static short batches, the waiting short requests ride along too, whole, up to another
         ``long_chunk_size`` tokens: they start now instead of after their window and the chunk, and one
@@ -357,7 +368,8 @@ class PlaScheduler(Scheduler):
         c = self.config
         items: list[BatchItem] = []
         preempted: list[Request] = []
-        self.pack(self.long_queue(), c.long_chunk_size, items, preempted)
+        queue = self.long_queue()
+        self.pack(queue, self.long_chunk_budget(queue), items, preempted)
         if items and not preempted and not c.static_short_batches:
             riders = self.start_shorts(self.short_candidates(), c.short_threshold, budget=c.long_chunk_size)
             for it in riders:  # dispatched at once: ready now for the head-of-line accounting
