@@ -274,6 +274,53 @@ def test_stream_ends_with_done(server) -> None:
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
 
 
+def _stream_events(server, body: dict) -> list[dict]:
+    """The JSON events of a streamed ``/v1/completions`` request, as sent (``[DONE]`` left out)."""
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+
+
+def test_streamed_chunks_carry_usage_only_when_asked(server) -> None:
+    """No ``usage`` field by default; ``usage: null`` on every chunk with choices under ``include_usage``
+    alone (the counts come in the last chunk only)."""
+    body = {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True}
+    assert all("usage" not in e for e in _stream_events(server, body))
+    events = _stream_events(server, {**body, "stream_options": {"include_usage": True}})
+    assert all(e["choices"] and e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_continuous_usage_stats_count_up_to_the_final_usage(client: openai.OpenAI) -> None:
+    """vLLM's ``continuous_usage_stats``: every chunk with choices carries the usage so far; the counts
+    grow token by token to the final usage chunk's."""
+    chunks = list(client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    *running, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 12
+    assert all(c.choices for c in running) and len(running) > 1
+    completion = [c.usage.completion_tokens for c in running]
+    assert completion == sorted(set(completion)) and completion[-1] == 12  # strictly growing to the final count
+    assert {c.usage.prompt_tokens for c in running} == {last.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in running)
+
+
+def test_continuous_usage_stats_with_n_choices(client: openai.OpenAI) -> None:
+    """With ``n`` choices the running counts are the request's, as the final usage counts them: the prompt
+    once, every choice's tokens. The role chunks that open the choices count no tokens yet."""
+    args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], n=2,
+                max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"continuous_usage_stats": True},
+                                                 **args))
+    assert all(c.choices and c.usage for c in chunks)  # no include_usage: no last chunk without choices
+    assert [c.usage.completion_tokens for c in chunks[:2]] == [0, 0] and chunks[0].choices[0].delta.role
+    completion = [c.usage.completion_tokens for c in chunks]
+    assert completion == sorted(completion)
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 2 * 6
+    assert {c.usage.prompt_tokens for c in chunks} == {whole.usage.prompt_tokens}
+
+
 def _stop_across_tokens(offline: LLM, prompt: str, max_tokens: int) -> str:
     """A stop string whose first occurrence in the greedy output starts in one token and ends in the next,
     so a server that streamed text before the stop string was complete would send too much."""

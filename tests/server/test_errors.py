@@ -56,6 +56,11 @@ CASES = [
     ("chat top_logprobs too many", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, 400),
     ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {}}, 400),
+    ("continuous_usage_stats wrong type", "/v1/completions",
+     {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, 422),
+    ("response_format not an object", "/v1/completions", {"prompt": "hi", "response_format": "json"}, 422),
+    ("chat tools not an array", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}}, 422),
     ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 422),
     ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 422),
     ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 422),
@@ -98,6 +103,55 @@ def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as info:
         client.completions.create(model=model, prompt=[3] * MAX_MODEL_LEN)
     assert info.value.status_code == 413
+
+
+TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+# (endpoint, fields of a request that asks for a feature plaserve lacks, the param its 400 names)
+REFUSED = [
+    ("chat", {"tools": [TOOL]}, "tools"),
+    ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
+    ("chat", {"functions": [TOOL["function"]]}, "functions"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [], "tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice"),
+    ("chat", {"function_call": "auto"}, "function_call"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": JSON_SCHEMA}, "response_format"),
+    ("completions", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
+    ("completions", {"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
+    ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    ("chat", {"extra_body": {"guided_grammar": "root ::= \"a\""}}, "guided_grammar"),
+]
+# Fields with values that ask for nothing, so plain generation answers them.
+ACCEPTED = [
+    ("chat", {"tools": [], "tool_choice": "none"}),
+    ("chat", {"response_format": {"type": "text"}, "extra_body": {"guided_json": None, "function_call": "none"}}),
+    ("completions", {"extra_body": {"response_format": {"type": "text"}, "guided_choice": None}}),
+]
+
+
+def _create(client: openai.OpenAI, endpoint: str, **fields: object) -> object:
+    """A one-token request to ``endpoint`` ("chat" or "completions") with ``fields`` added."""
+    model = client.models.list().data[0].id
+    if endpoint == "chat":
+        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=1, **fields)
+    return client.completions.create(model=model, prompt="hi", max_tokens=1, **fields)
+
+
+@pytest.mark.parametrize("endpoint,fields,param", REFUSED, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(REFUSED)])
+def test_unsupported_features_are_refused(client: openai.OpenAI, endpoint: str, fields: dict, param: str) -> None:
+    """Tool calling and guided decoding get a 400 naming the field, not an answer that ignores it."""
+    with pytest.raises(openai.BadRequestError) as info:
+        _create(client, endpoint, **fields)
+    assert info.value.param == param and "not supported" in info.value.message
+    assert _create(client, endpoint).choices[0].finish_reason is not None  # and the server goes on serving
+
+
+@pytest.mark.parametrize("endpoint,fields", ACCEPTED, ids=[f"{e}-{i}" for i, (e, _) in enumerate(ACCEPTED)])
+def test_fields_that_ask_for_nothing_are_accepted(client: openai.OpenAI, endpoint: str, fields: dict) -> None:
+    assert _create(client, endpoint, **fields).choices[0].finish_reason is not None
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(server, client: openai.OpenAI) -> None:

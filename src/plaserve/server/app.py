@@ -34,7 +34,7 @@ from plaserve.server.engine_loop import EngineLoop
 from plaserve.server.errors import ApiError, error_body
 from plaserve.server.generation import ClientDisconnected, EventStreamResponse, Generation, until_disconnect
 from plaserve.server.prompts import ModelLimits, check_logit_bias, check_prompt, encode_chat, encode_prompt
-from plaserve.server.protocol import (SamplingFields, parse_chat_request, parse_completion_request,
+from plaserve.server.protocol import (SamplingFields, StreamOptions, parse_chat_request, parse_completion_request,
                                       parse_json_object, parse_tokenize_request)
 from plaserve.server import responses as R
 
@@ -119,7 +119,7 @@ class _Handlers:
                 for p in req.prompts for _ in range(req.sampling.n)] if req.echo else None
         gen = Generation.submit(self.loop, rid, prompts, params, req.sampling.n)
         if req.stream:
-            return EventStreamResponse(self._stream_completion(gen, rid, req.include_usage, req.sampling, echo))
+            return EventStreamResponse(self._stream_completion(gen, rid, req.stream_options, req.sampling, echo))
         outputs = await self._wait(request, gen)
         return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
                                                   self._decode, echo))
@@ -134,10 +134,15 @@ class _Handlers:
         gen = Generation.submit(self.loop, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens),
                                 req.sampling.n)
         if req.stream:
-            return EventStreamResponse(self._stream_chat(gen, rid, req.include_usage, req.sampling))
+            return EventStreamResponse(self._stream_chat(gen, rid, req.stream_options, req.sampling))
         outputs = await self._wait(request, gen)
         return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
                                             self._decode))
+
+    @staticmethod
+    def _stream_usage(gen: Generation, options: StreamOptions, n: int) -> R.StreamUsage:
+        """The ``usage`` field of the stream of ``gen``'s choices, ``n`` per prompt."""
+        return R.StreamUsage(options, [sub.prompt_token_ids for sub in gen.submissions], n)
 
     async def _wait(self, request: Request, gen: Generation) -> list:
         try:
@@ -147,14 +152,16 @@ class _Handlers:
         finally:
             gen.close()
 
-    async def _stream_completion(self, gen: Generation, rid: str, include_usage: bool, sampling: SamplingFields,
+    async def _stream_completion(self, gen: Generation, rid: str, options: StreamOptions, sampling: SamplingFields,
                                  echo: list[str] | None) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
+        usage = self._stream_usage(gen, options, sampling.n)
         echoed: set[int] = set()  # choices whose prompt went out already
         try:
             async for batch in gen.updates():
                 for i, out in sorted(batch.items()):
+                    usage.count(i, out)
                     tracker = trackers[i]
                     text = tracker.delta(out.outputs[0].text, out.finished)
                     first = i not in echoed
@@ -167,8 +174,8 @@ class _Handlers:
                         tracker.token_chars += sum(map(len, logprobs["tokens"]))
                     if echo and first:
                         text = echo[i] + text
-                    yield R.sse(R.completion_chunk(rid, created, name, i, text, reason, include_usage, logprobs))
-            if include_usage:
+                    yield R.sse(usage.stamp(R.completion_chunk(rid, created, name, i, text, reason, logprobs)))
+            if options.include_usage:
                 yield R.sse(R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n))
         except ApiError as e:  # headers are sent already: report the error in the stream
             self.loop.metrics.count_error(e.status)
@@ -177,22 +184,24 @@ class _Handlers:
             gen.close()
         yield R.DONE
 
-    async def _stream_chat(self, gen: Generation, rid: str, include_usage: bool,
+    async def _stream_chat(self, gen: Generation, rid: str, options: StreamOptions,
                            sampling: SamplingFields) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
+        usage = self._stream_usage(gen, options, sampling.n)
         try:
             for i in range(len(trackers)):  # each choice opens with the role, as OpenAI's streams do
-                yield R.sse(R.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""}, None,
-                                         include_usage))
+                yield R.sse(usage.stamp(R.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""},
+                                                     None)))
             async for batch in gen.updates():
                 for i, out in sorted(batch.items()):
+                    usage.count(i, out)
                     text = trackers[i].delta(out.outputs[0].text, out.finished)
                     reason = out.outputs[0].finish_reason if out.finished else None
                     new = trackers[i].new_logprobs(out.outputs[0].logprobs)
                     logprobs = None if new is None else R.chat_logprobs(new, self._decode)
-                    yield R.sse(R.chat_chunk(rid, created, name, i, {"content": text}, reason, include_usage, logprobs))
-            if include_usage:
+                    yield R.sse(usage.stamp(R.chat_chunk(rid, created, name, i, {"content": text}, reason, logprobs)))
+            if options.include_usage:
                 yield R.sse(R.usage_chunk(rid, created, name, "chat.completion.chunk", gen.outputs(), sampling.n))
         except ApiError as e:
             self.loop.metrics.count_error(e.status)

@@ -5,7 +5,9 @@ model. Checks that need the model (prompt length, vocabulary) live in :mod:`plas
 
 Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
 report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
-Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata``, ...).
+Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata``, ...); known fields that
+ask for what plaserve does not do (tool calling, guided decoding) are refused with a 400 instead, since
+ignoring them would answer a different question than the one asked.
 """
 
 from __future__ import annotations
@@ -49,13 +51,21 @@ class SamplingFields:
 
 
 @dataclass(frozen=True)
+class StreamOptions:
+    """``stream_options`` of a streamed request (all false when not streaming)."""
+
+    include_usage: bool = False  # a last chunk with the request's usage; ``usage: null`` on the others
+    continuous_usage_stats: bool = False  # vLLM's: every chunk with choices carries the usage so far
+
+
+@dataclass(frozen=True)
 class CompletionRequest:
     """``POST /v1/completions``: ``n`` choices per prompt (``prompt`` may be a batch)."""
 
     model: str | None
     prompts: tuple[Prompt, ...]
     stream: bool
-    include_usage: bool
+    stream_options: StreamOptions
     sampling: SamplingFields
     echo: bool = False  # the prompt leads each choice's text (and its logprobs, with logprobs)
 
@@ -67,7 +77,7 @@ class ChatRequest:
     model: str | None
     messages: tuple[dict[str, str], ...]
     stream: bool
-    include_usage: bool
+    stream_options: StreamOptions
     add_generation_prompt: bool
     sampling: SamplingFields
 
@@ -269,17 +279,49 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     )
 
 
-def _parse_stream(body: dict) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
+def _parse_stream(body: dict) -> tuple[bool, StreamOptions]:
+    """``stream`` and its ``stream_options``."""
     stream = _opt_bool(body, "stream", False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, StreamOptions()
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     if not stream:
         raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return stream, _opt_bool(options, "include_usage", False)
+    return stream, StreamOptions(include_usage=_opt_bool(options, "include_usage", False),
+                                 continuous_usage_stats=_opt_bool(options, "continuous_usage_stats", False))
+
+
+_GUIDED_DECODING_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's
+
+
+def _refuse_unsupported(body: dict, *, chat: bool) -> None:
+    """400 for fields that ask for a feature plaserve lacks: guided decoding (``response_format`` other than
+    text, vLLM's ``guided_*``) and, on ``chat``, tool calling. Values that ask for nothing pass: null,
+    ``response_format: {"type": "text"}``, ``tools: []``, ``tool_choice: "none"``."""
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict):
+            raise _type_error("response_format", "an object", response_format)
+        kind = response_format.get("type")
+        if kind != "text":
+            raise ApiError(400, f"guided decoding (response_format of type {kind!r}) is not supported; "
+                                "only 'text' is", param="response_format")
+    for name in _GUIDED_DECODING_EXTRAS:
+        if body.get(name) is not None:
+            raise ApiError(400, f"guided decoding ({name}) is not supported", param=name)
+    if not chat:
+        return
+    for name in ("tools", "functions"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, list):
+            raise _type_error(name, "an array", value)
+        if value:
+            raise ApiError(400, f"tool calling is not supported ('{name}' must be empty)", param=name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise ApiError(400, f"tool calling is not supported ('{name}' may only be \"none\")", param=name)
 
 
 def _parse_messages(body: dict) -> tuple[dict[str, str], ...]:
@@ -336,21 +378,23 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     """Parse a ``/v1/completions`` body."""
     if "prompt" not in body:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
-    stream, include_usage = _parse_stream(body)
+    stream, stream_options = _parse_stream(body)
     echo, logprobs = _opt_bool(body, "echo", False), _logprobs_count(body, "logprobs")
     if _opt_str(body, "suffix"):
         raise ApiError(400, "suffix is not supported", param="suffix")
+    _refuse_unsupported(body, chat=False)
     return CompletionRequest(model=_opt_str(body, "model"), prompts=parse_prompts(body["prompt"]), stream=stream,
-                             include_usage=include_usage, echo=echo,
+                             stream_options=stream_options, echo=echo,
                              sampling=parse_sampling(body, logprobs=logprobs,
                                                      prompt_logprobs=logprobs if echo else None))
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
     """Parse a ``/v1/chat/completions`` body (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
-    stream, include_usage = _parse_stream(body)
+    stream, stream_options = _parse_stream(body)
+    _refuse_unsupported(body, chat=True)
     return ChatRequest(model=_opt_str(body, "model"), messages=_parse_messages(body), stream=stream,
-                       include_usage=include_usage,
+                       stream_options=stream_options,
                        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
                        sampling=parse_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens"),
                                                logprobs=_chat_logprobs(body)))

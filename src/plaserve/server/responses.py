@@ -6,6 +6,7 @@ import json
 from typing import Any, Callable, Sequence
 
 from plaserve.engine.request import RequestOutput, TokenLogprobs
+from plaserve.server.protocol import StreamOptions
 
 DONE = "data: [DONE]\n\n"
 Decode = Callable[[int], str]  # one token id to its text
@@ -17,6 +18,12 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+def token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The three counts every ``usage`` object has."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
 def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
     """Token counts over a request's choices, ``n`` consecutive ones per prompt: each prompt counts once
     (as OpenAI and vLLM count it), every choice's output counts. ``cached_tokens`` came from the prefix
@@ -25,8 +32,32 @@ def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.outputs[0].token_ids) for o in outputs)
     cached = sum(o.num_cached_tokens for o in firsts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {**token_counts(prompt, completion), "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class StreamUsage:
+    """The ``usage`` field of a stream's chunks with choices, as ``stream_options`` asks: absent by default,
+    null with ``include_usage`` (the counts come in a last chunk, :func:`usage_chunk`), and the counts so
+    far with ``continuous_usage_stats``. Those count as :func:`usage` does (each of the ``n`` consecutive
+    choices of a prompt counts its tokens, the prompt counts once), so the last running counts equal the
+    final ones, less ``prompt_tokens_details``."""
+
+    def __init__(self, options: StreamOptions, prompts: Sequence[Sequence[int]], n: int = 1) -> None:
+        self.options = options
+        self.prompt_tokens = sum(len(p) for p in prompts[::n])
+        self.completion_tokens = [0] * len(prompts)  # per choice
+
+    def count(self, index: int, out: RequestOutput) -> None:
+        """Take in choice ``index``'s newest output."""
+        self.completion_tokens[index] = len(out.outputs[0].token_ids)
+
+    def stamp(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """``chunk`` with its ``usage`` field, if the options give it one."""
+        if self.options.continuous_usage_stats:
+            chunk["usage"] = token_counts(self.prompt_tokens, sum(self.completion_tokens))
+        elif self.options.include_usage:
+            chunk["usage"] = None
+        return chunk
 
 
 def completion_logprobs(tokens: Sequence[tuple[int, TokenLogprobs | None]], decode: Decode,
@@ -97,23 +128,17 @@ def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestO
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-                     with_usage_field: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed piece of a completion. With ``include_usage`` every chunk carries ``usage: null``."""
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if with_usage_field:
-        chunk["usage"] = None
-    return chunk
+                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of a completion (its ``usage`` field: :meth:`StreamUsage.stamp`)."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, str], finish_reason: str | None,
-               with_usage_field: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed piece of a chat completion."""
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if with_usage_field:
-        chunk["usage"] = None
-    return chunk
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed piece of a chat completion (its ``usage`` field: :meth:`StreamUsage.stamp`)."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, outputs: Sequence[RequestOutput],
