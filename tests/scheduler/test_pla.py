@@ -238,6 +238,21 @@ def test_short_batch_keeps_its_on_time_members_on_time(pad):
         assert [m.num_prompt_tokens for m in batch] == [400, 400, 50, 50]
 
 
+def test_short_batch_deadline_check_counts_the_decodes_riding_along():
+    engine, _, _ = sim_engine(policy="pla", pad_short_batches="never", ttft_slo_floor=0.1, ttft_slo_factor=1.0)
+    queue(engine, [A(0.0, 400)] * 3 + [A(0.0, 50)] * 3)
+    sched = engine.scheduler
+    sched._now = 0.0
+    alone, _ = sched.short_batch_plan()  # 400, 400, 50, 50: 95 ms predicted
+    decoders = queue(sim_engine()[0], [A(0.0, 300)] * 80)  # ~8.5 ms of decode tokens in every varlen step
+    sched.decoding = lambda: decoders
+    riding = sched.rider_time()
+    assert riding == pytest.approx(COST.batch_time([(1, 300)] * 80) - COST.c0)
+    batch, _ = sched.short_batch_plan()
+    assert len(batch) < len(alone)
+    assert COST.batch_time([(m.num_prompt_tokens, 0) for m in batch]) + riding <= 0.1
+
+
 def test_late_requests_yield_to_on_time_ones_for_a_bounded_time():
     engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.1, ttft_slo_factor=1.0, late_yield=2.0)
     early, later = queue(engine, [A(0.0, 100), A(0.14, 100)])

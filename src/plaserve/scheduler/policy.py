@@ -155,6 +155,14 @@ class PlaScheduler(Scheduler):
     def decoding(self) -> list[Request]:
         return [r for r in self.running if not r.in_prefill]
 
+    def rider_time(self) -> float:
+        """Predicted time the decoding requests add to a short batch they ride along (none with static
+        batches, which leave decodes to steps of their own). The deadline checks count it: with a few
+        dozen requests decoding it is a good part of a short batch's time on a CPU, and leaving it out
+        let batches finish just after their members' deadlines."""
+        decodes = [] if self.config.static_short_batches else self.decoding()
+        return self.cost.batch_time([(1, r.num_tokens) for r in decodes]) - self.cost.c0 if decodes else 0.0
+
     # --- the window -----------------------------------------------------------------------
     def short_batch_plan(self) -> tuple[list[Request], int | None] | None:
         """The batch forming at the head of the short queue, and its bucket (None: varlen).
@@ -179,7 +187,8 @@ class PlaScheduler(Scheduler):
         deadline of every member that does not :meth:`yield <yields>`."""
         c0 = self.cost.c0
         batch: list[Request] = []
-        used, work, due = 0, c0, float("inf")  # tokens, predicted seconds, earliest on-time deadline
+        # tokens, predicted seconds (decodes riding along included), earliest on-time deadline
+        used, work, due = 0, c0 + self.rider_time(), float("inf")
         for r in cands:
             n = tokens(r)
             w = self.cost.prefill_time(n) - c0
@@ -212,7 +221,7 @@ class PlaScheduler(Scheduler):
         window_end = oldest + self.window.width(target, len(reqs))
         # Deadline slack: leave when waiting longer would leave less than one long chunk of margin
         # between the predicted finish and the tightest TTFT deadline.
-        exec_time = self.cost.batch_time([(bucket or self._uncached(r), 0) for r in reqs])
+        exec_time = self.cost.batch_time([(bucket or self._uncached(r), 0) for r in reqs]) + self.rider_time()
         slack_end = min(self.deadline(r) for r in reqs) - exec_time - self.long_chunk_time
         return min(window_end, slack_end)
 
