@@ -157,7 +157,7 @@ def test_decodes_ride_every_varlen_step_unless_shorts_back_up(backlog):
     gap = 0.0 if backlog else 0.05
     arrivals = [A(0.0, 50, 300)] + [A(0.05 + gap * i, 200, 2) for i in range(19)]
     engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never", max_prefill_steps_between_decodes=1,
-                                       ttft_slo_floor=0.1)
+                                       max_num_batched_tokens=400)  # two shorts a batch
     reqs = replay(engine, clock, arrivals)
     assert all(r.finished for r in reqs)
     decoding = (reqs[0].metrics.first_token_time, reqs[0].metrics.finish_time)
