@@ -85,46 +85,81 @@ def comparison_table(results: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def ratio_lines(results: dict[str, dict], bounds: dict | None = None) -> list[str]:
-    """The issue's targets, each with the measured ratio and, where ``bounds`` (:func:`slice_bounds`)
-    limit it, the best ratio any scheduler could reach on the slice."""
-    def get(pol, cls, key, q):
-        return results[pol]["summary"][cls][key][q]
+@dataclass(frozen=True)
+class Check:
+    """One of the issue's targets for pla on one slice: ``measured`` is a relative change (``pla / base -
+    1``) or, for ``times`` checks, a ratio (``pla / base``); ``best`` is the best any scheduler could
+    reach (:func:`slice_bounds`), where a bound limits it."""
 
-    def pct(x):
-        return "-" if x is None else f"{x * 100:+.0f}%"
+    name: str
+    measured: float | None
+    target: float
+    best: float | None = None
+    times: bool = False
 
-    out = []
+    @property
+    def met(self) -> bool | None:
+        return None if self.measured is None else self.measured <= self.target
+
+    @property
+    def beyond_bound(self) -> bool:
+        """Whether no scheduler could meet the target on the slice."""
+        return self.best is not None and self.best > self.target
+
+    @property
+    def verdict(self) -> str:
+        if self.met is None:
+            return "-"
+        if self.met:
+            return "met"
+        return "MISSED (beyond the bound)" if self.beyond_bound else "MISSED"
+
+    def fmt(self, x: float | None) -> str:
+        if x is None:
+            return "-"
+        return f"{x:.2f}x" if self.times else f"{x * 100:+.0f}%"
+
+    @property
+    def target_text(self) -> str:
+        return f"<= {self.target}x" if self.times else f"<= {self.target * 100:+.0f}%"
+
+
+def target_checks(results: dict[str, dict], bounds: dict | None = None) -> list[Check]:
+    """The issue's targets for pla against fcfs and spf (those whose policies are in ``results``)."""
+    def ttft(pol, cls, q):
+        return results[pol]["summary"][cls]["ttft_ms"][q]
+
+    def change(a, b):
+        return None if a is None or b is None or not b else (a - b) / b
+
+    def ratio(a, b):
+        return None if a is None or b is None or not b else a / b
+
+    out: list[Check] = []
     if "pla" in results and "fcfs" in results:
-        def change(a, b):
-            return None if a is None or b is None or not b else (a - b) / b
-
-        def ttft(pol, cls, q):
-            return get(pol, cls, "ttft_ms", q)
-
         def violations(pol):
             return results[pol]["summary"]["all"]["slo_violation_rate"]
 
         short_bound = (bounds or {}).get("short_ttft_ms", {})
-        checks = [("short TTFT p50 vs fcfs", change(ttft("pla", "short", "p50"), ttft("fcfs", "short", "p50")), -0.6,
-                   change(short_bound.get("p50"), ttft("fcfs", "short", "p50"))),
-                  ("short TTFT p99 vs fcfs", change(ttft("pla", "short", "p99"), ttft("fcfs", "short", "p99")), -0.8,
-                   change(short_bound.get("p99"), ttft("fcfs", "short", "p99"))),
-                  ("long TTFT p50 vs fcfs", change(ttft("pla", "long", "p50"), ttft("fcfs", "long", "p50")), 0.1, None),
-                  ("SLO violations vs fcfs", change(violations("pla"), violations("fcfs")), -0.7,
-                   change((bounds or {}).get("slo_violation_rate"), violations("fcfs")))]
-        for name, x, target, best in checks:
-            verdict = "-" if x is None else "met" if x <= target else "MISSED"
-            if verdict == "MISSED" and best is not None and best > target:
-                verdict = "MISSED (beyond the bound)"
-            out.append(f"| pla {name} | {pct(x)} | <= {target * 100:+.0f}% | {pct(best)} | {verdict} |")
+        out += [Check("short TTFT p50 vs fcfs", change(ttft("pla", "short", "p50"), ttft("fcfs", "short", "p50")), -0.6,
+                      change(short_bound.get("p50"), ttft("fcfs", "short", "p50"))),
+                Check("short TTFT p99 vs fcfs", change(ttft("pla", "short", "p99"), ttft("fcfs", "short", "p99")), -0.8,
+                      change(short_bound.get("p99"), ttft("fcfs", "short", "p99"))),
+                Check("long TTFT p50 vs fcfs", change(ttft("pla", "long", "p50"), ttft("fcfs", "long", "p50")), 0.1),
+                Check("SLO violations vs fcfs", change(violations("pla"), violations("fcfs")), -0.7,
+                      change((bounds or {}).get("slo_violation_rate"), violations("fcfs")))]
     if "pla" in results and "spf" in results:
-        for cls, q, target in (("short", "p99", 1.2), ("long", "p99", 1.0)):
-            a, b = get("pla", cls, "ttft_ms", q), get("spf", cls, "ttft_ms", q)
-            x = None if a is None or b is None else a / b
-            out.append(f"| pla {cls} TTFT {q} / spf | {'-' if x is None else f'{x:.2f}x'} | <= {target}x | - | "
-                       f"{'-' if x is None else ('met' if x <= target else 'MISSED')} |")
-    return ["| check | measured | target | best possible | |", "|---|---|---|---|---|", *out] if out else []
+        out += [Check(f"{cls} TTFT p99 / spf", ratio(ttft("pla", cls, "p99"), ttft("spf", cls, "p99")), target, times=True)
+                for cls, target in (("short", 1.2), ("long", 1.0))]
+    return out
+
+
+def ratio_lines(results: dict[str, dict], bounds: dict | None = None) -> list[str]:
+    """The issue's targets (:func:`target_checks`) as a markdown table: the measured change or ratio, the
+    target and, where ``bounds`` (:func:`slice_bounds`) limit it, the best any scheduler could reach."""
+    checks = target_checks(results, bounds)
+    rows = [f"| pla {c.name} | {c.fmt(c.measured)} | {c.target_text} | {c.fmt(c.best)} | {c.verdict} |" for c in checks]
+    return ["| check | measured | target | best possible | |", "|---|---|---|---|---|", *rows] if rows else []
 
 
 def bounds_line(bounds: dict) -> str:

@@ -1,0 +1,118 @@
+"""The policy comparison of benchmarks/policies.py over many slices of each trace, on the simulated clock.
+
+    .venv/bin/python benchmarks/policy_slices.py                  # ~2 min fit, then 9 code + 10 conversation slices
+    .venv/bin/python benchmarks/policy_slices.py --out DIR        # also writes DIR/policy_slices.json
+
+The same setup as benchmarks/policies.py (lengths x0.25, prompts capped at 4000 and outputs at 64;
+arrivals rescaled so the predicted prefill work fills 0.68 (code) or 0.31 (conversation) of a 60 s
+window; TTFT SLO = max(0.5 s, 5 x the predicted isolated prefill); short < 512 tokens; the same
+scheduler settings), but each slice runs through the real schedulers on a simulated clock.
+
+Two cost models are fitted at the start, one thread, on the embedded default model:
+* the isolated prefill fit of benchmarks/policies.py: it sizes the slices, sets the SLOs and is the
+  schedulers' cost model, as on the wall clock;
+* a step fit (benchmarks/sim_validation.py's warm-up): other trace rows (from row 1000) replayed under
+  fcfs and pla on the real engine, every step timed and the cost model refitted on them, decode and
+  mixed steps included. It times the simulated steps, standing in for the machine.
+--profile PATH skips the fit and uses a calibrated profile's cost model for both.
+
+Slices start every 1000 rows (code) and 2000 rows (conversation) from row 0, so the first is the slice
+that benchmarks/policies.py measures on the wall clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+from plaserve.bench.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
+from plaserve.bench.policies import Slice  # noqa: E402
+from plaserve.bench.policy_slices import pooled_lines, run_slice, slices_table  # noqa: E402
+from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
+from plaserve.cost import CostModel  # noqa: E402
+from plaserve.profile import Profile  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRACES = {"code": ("azure_code_2023.csv", 0.68), "conv": ("azure_conv_2023.csv", 0.31)}
+
+
+def describe(cost: CostModel) -> str:
+    return (f"c0={cost.c0 * 1e3:.2f} ms g1={cost.g1 * 1e6:.1f} us/token g2={cost.g2 * 1e9:.2f} ns/pair "
+            f"g3={cost.g3 * 1e6:.2f} us/cached token")
+
+
+def fit_models(warm_up_seconds: float = 30.0) -> tuple[CostModel, CostModel]:
+    """The isolated prefill fit and the step fit on this machine, one thread (see the module docstring)."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from sim_validation import StepLog, step_fit, trace_slice  # the simulator's own validation fits
+
+    from plaserve.engine.engine import LLMEngine
+    from plaserve.model.loader import load_model
+
+    torch.set_num_threads(1)
+    loaded = load_model(None, torch.float32, torch.device("cpu"))
+
+    def config(policy: str) -> EngineConfig:
+        return EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, scheduler=SchedulerConfig(policy=policy))
+
+    iso = fit_cost_model(LLMEngine(config("fcfs"), loaded=loaded), lengths=(32, 128, 512, 1024, 2048), repeats=2)
+    print(f"isolated prefill fit: {describe(iso)}", flush=True)
+    log = StepLog()
+    requests, _ = trace_slice(iso, 0.6, warm_up_seconds, start=1000)
+    log.active = True
+    for policy in ("fcfs", "pla"):
+        run_policy(loaded, config(policy), iso, requests)
+    log.active = False
+    step = step_fit(log.take(), iso)
+    print(f"step fit ({len(requests)} requests x 2 policies): {describe(step)}", flush=True)
+    return iso, step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default=None,
+                   help="a calibrated profile whose cost model serves for both (default: fit both at the start)")
+    p.add_argument("--code-starts", default="0:8000:1000", help="first rows of the code slices, START:STOP:STEP")
+    p.add_argument("--conv-starts", default="0:18000:2000", help="first rows of the conversation slices")
+    p.add_argument("--length-scale", type=float, default=0.25)
+    p.add_argument("--out", default=None, help="folder for policy_slices.json")
+    args = p.parse_args(argv)
+
+    if args.profile:
+        cost = step = Profile.load(args.profile).cost_model
+        print(f"cost model ({os.path.basename(args.profile)}): {describe(cost)}")
+    else:
+        cost, step = fit_models()
+    slo = SloRule(factor=5.0, floor=0.5)
+    config = EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, enable_prefix_caching=False,
+                          scheduler=SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor))
+    out: dict = {"cost_model": cost.as_dict(), "step_cost_model": step.as_dict(), "traces": {}}
+    for name, starts in (("code", args.code_starts), ("conv", args.conv_starts)):
+        file, load = TRACES[name]
+        start, stop, every = (int(x) for x in starts.split(":"))
+        t0 = time.time()
+        rows = [run_slice(Slice(name, file, first, 4000, load), config, cost, slo, step_cost=step,
+                          length_scale=args.length_scale) for first in range(start, stop + 1, every)]
+        print(f"\n== {file}: {len(rows)} slices from rows {start}..{stop} every {every}, load {load} "
+              f"({time.time() - t0:.0f} s)\n")
+        print(slices_table(rows))
+        print("\n(x: target missed; b: missed, and beyond the bound: no scheduler could meet it on the slice)\n")
+        pooled = pooled_lines(rows)
+        print("\n".join(pooled))
+        out["traces"][name] = {"load": load, "pooled": pooled, "table": slices_table(rows)}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "policy_slices.json"), "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The policy comparison over many trace slices, on the simulated clock.
+
+``benchmarks/policies.py`` measures one slice of each trace on the wall clock: about eight minutes, and
+one slice is one draw (a burst more or less moves its percentiles). This module replays many slices,
+scaled the same way, through the real schedulers on a :class:`~plaserve.sim.runner.CostRunner`, whose
+steps take what the cost model predicts: seconds for all of them. It reports, for each slice, the
+issue's checks (:func:`~plaserve.bench.policies.target_checks`), and over all slices how many meet each
+target, the median of each measured change, and the SLO violations summed.
+
+The simulated clock is exact for the cost model and blind to what it leaves out (the real machine's
+noise; a decode costs what the model says). ``benchmarks/sim_validation.py`` measures how close the
+simulator comes to real runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plaserve.bench.bounds import slice_bounds
+from plaserve.bench.offline import SloRule, to_record, with_policy
+from plaserve.bench.policies import POLICIES, Check, Slice, scaled_slice, target_checks
+from plaserve.bench.report import summarize
+from plaserve.config import EngineConfig
+from plaserve.cost import CostModel
+from plaserve.engine.engine import LLMEngine
+from plaserve.sim.replay import replay
+from plaserve.sim.runner import CostRunner, SimClock
+
+
+@dataclass(frozen=True)
+class SliceResult:
+    """One slice: its first row, size, the fcfs utilization, the violations per policy and pla's checks."""
+
+    start: int
+    requests: int
+    long_share: float
+    fcfs_utilization: float
+    violations: dict[str, int]
+    checks: list[Check]
+
+
+def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, step_cost: CostModel | None = None,
+              length_scale: float = 0.25, seconds: float = 60.0, policies: Sequence[str] = POLICIES) -> SliceResult:
+    """Replay one slice under each policy on the simulated clock (fresh engine each, identical inputs).
+
+    ``cost`` sizes the slice, sets the SLOs and is the schedulers' cost model, as the fitted isolated
+    prefill model is in ``benchmarks/policies.py``; ``step_cost`` (default: ``cost``) times the steps,
+    standing in for the machine."""
+    arrivals, _ = scaled_slice(s, cost, length_scale, s.load, max_prompt=4000, max_output=64, seconds=seconds)
+    results: dict[str, dict] = {}
+    violations: dict[str, int] = {}
+    for pol in policies:
+        clock = SimClock()
+        engine = LLMEngine(with_policy(config, pol), runner=CostRunner(step_cost or cost, clock), cost=cost,
+                           clock=clock)
+        records = [to_record(r, slo, cost) for r in replay(engine, clock, arrivals)]
+        busy = sum(end - start for start, end, _ in engine.runner.batches)
+        results[pol] = {"summary": summarize(records, clock.now), "utilization": busy / arrivals[-1].arrival}
+        violations[pol] = sum(r.ttft is None or r.ttft > r.slo_ttft for r in records)
+    longs = sum(r.length_class == "long" for r in records)
+    bounds = slice_bounds([(a.arrival, a.prompt_tokens) for a in arrivals], cost, lambda n: slo.ttft(cost, n),
+                          config.scheduler.short_threshold)
+    return SliceResult(s.start, len(arrivals), longs / len(arrivals), results.get("fcfs", {}).get("utilization", 0.0),
+                       violations, target_checks(results, bounds))
+
+
+def slices_table(rows: Sequence[SliceResult]) -> str:
+    """Markdown: one row per slice with the violations and each check's measured value, marked ``x`` where
+    it misses its target and ``b`` where that is beyond the bound (no scheduler could meet it)."""
+    names = [c.name for c in rows[0].checks]
+    pols = list(rows[0].violations)
+    head = (f"| first row | requests | long | fcfs util | {' | '.join(f'{p} viol.' for p in pols)} | "
+            f"{' | '.join(names)} |\n|{'---|' * (4 + len(pols) + len(names))}")
+    lines = [head]
+    for r in rows:
+        marks = " | ".join(c.fmt(c.measured) + _mark(c) for c in r.checks)
+        lines.append(f"| {r.start} | {r.requests} | {r.long_share * 100:.0f}% | {r.fcfs_utilization * 100:.0f}% | "
+                     f"{' | '.join(str(r.violations[p]) for p in pols)} | {marks} |")
+    return "\n".join(lines)
+
+
+def _mark(c: Check) -> str:
+    return "" if c.met is not False else " b" if c.beyond_bound else " x"
+
+
+def pooled_lines(rows: Sequence[SliceResult]) -> list[str]:
+    """Markdown: for each check, the slices meeting its target, those where no scheduler could, and the
+    median measured value; and the SLO violations of all slices together."""
+    out = ["| check | target | slices met | beyond the bound | median |", "|---|---|---|---|---|"]
+    for i, first in enumerate(rows[0].checks):
+        values = [r.checks[i].measured for r in rows if r.checks[i].measured is not None]
+        met = sum(1 for r in rows if r.checks[i].met)
+        beyond = sum(1 for r in rows if r.checks[i].beyond_bound)
+        median = first.fmt(statistics.median(values)) if values else "-"
+        out.append(f"| pla {first.name} | {first.target_text} | {met} of {len(rows)} | {beyond} | {median} |")
+    totals = {p: sum(r.violations[p] for r in rows) for p in rows[0].violations}
+    requests = sum(r.requests for r in rows)
+    pooled = ", ".join(f"{p} {n} ({n / requests * 100:.1f}%)" for p, n in totals.items())
+    out += ["", f"SLO violations over all {len(rows)} slices ({requests} requests): {pooled}"]
+    if totals.get("fcfs"):
+        out[-1] += f"; pla vs fcfs {(totals['pla'] - totals['fcfs']) / totals['fcfs'] * 100:+.0f}%."
+    return out
