@@ -14,7 +14,8 @@ Two cost models are fitted at the start, one thread, on the embedded default mod
 * a step fit (benchmarks/sim_validation.py's warm-up): other trace rows (from row 1000) replayed under
   fcfs and pla on the real engine, every step timed and the cost model refitted on them, decode and
   mixed steps included. It times the simulated steps, standing in for the machine.
---profile PATH skips the fit and uses a calibrated profile's cost model for both.
+--profile PATH skips the fit and uses a calibrated profile's cost model for both; --models reuses the two
+models of an earlier run's policy_slices.json, so that two versions of the scheduler meet the same ones.
 
 Slices start every 1000 rows (code) and 2000 rows (conversation) from row 0, so the first is the slice
 that benchmarks/policies.py measures on the wall clock.
@@ -79,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default=None,
                    help="a calibrated profile whose cost model serves for both (default: fit both at the start)")
+    p.add_argument("--models", default=None,
+                   help="policy_slices.json of an earlier run: reuse its two fitted models (to compare code changes)")
     p.add_argument("--code-starts", default="0:8000:1000", help="first rows of the code slices, START:STOP:STEP")
     p.add_argument("--conv-starts", default="0:18000:2000", help="first rows of the conversation slices")
     p.add_argument("--length-scale", type=float, default=0.25)
@@ -88,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         cost = step = Profile.load(args.profile).cost_model
         print(f"cost model ({os.path.basename(args.profile)}): {describe(cost)}")
+    elif args.models:
+        with open(args.models) as f:
+            saved = json.load(f)
+        cost, step = (CostModel(**saved[key]) for key in ("cost_model", "step_cost_model"))
+        print(f"models of {args.models}: isolated prefill {describe(cost)}; steps {describe(step)}")
     else:
         cost, step = fit_models()
     slo = SloRule(factor=5.0, floor=0.5)
