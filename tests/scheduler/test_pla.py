@@ -37,16 +37,20 @@ def dispatch_time(runner: CostRunner, req) -> float:
     return next(start for start, _, b in runner.batches if any(it.request is req for it in b.items))
 
 
-def mixed_arrivals() -> list[A]:
-    arrivals = [A(0.0, 8000, 4), A(0.3, 6000, 4)]
+def mixed_arrivals(longs: tuple[int, int] = (8000, 6000)) -> list[A]:
+    arrivals = [A(0.0, longs[0], 4), A(0.3, longs[1], 4)]
     arrivals += [A(0.01 + 0.037 * i, 40 + (i * 97) % 460, 6) for i in range(60)]
     return sorted(arrivals, key=lambda a: a.arrival)
 
 
 @pytest.mark.parametrize("pad", ["always", "never"])
-def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad):
+@pytest.mark.parametrize("longs", [(8000, 6000), (7900, 5800)])  # the second pair ends in stretched chunks
+def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad, longs):
     engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad)
-    reqs = replay(engine, clock, mixed_arrivals())
+    reqs = replay(engine, clock, mixed_arrivals(longs))
+    if longs == (7900, 5800):
+        last_chunks = {r.num_prompt_tokens: r.metrics.prefill_chunks[-1][2] for r in reqs if r.length_class == "long"}
+        assert last_chunks == {7900: 732, 5800: 680}
     shorts = [r for r in reqs if r.length_class == "short"]
     assert len(shorts) == 60 and all(r.finished for r in reqs)
     assert steps_between(runner, 0, clock.now, "long") > 10  # longs really were interleaved
@@ -145,6 +149,18 @@ def test_a_long_prefill_leaves_no_stub_of_under_half_a_chunk(tokens, chunks):
     engine, clock, runner = sim_engine(policy="pla", long_chunk_size=512, short_threshold=512)
     (req,) = replay(engine, clock, [A(0.0, tokens, 1)])
     assert [n for _, _, n in req.metrics.prefill_chunks] == chunks
+
+
+def test_long_chunk_stretch_counts_uncached_tokens_and_keeps_to_the_step_budget():
+    engine, _, _ = sim_engine(policy="pla", long_chunk_size=512)
+    (req,) = queue(engine, [A(0.0, 1000)])
+    sched = engine.scheduler
+    assert sched.long_chunk_budget([req]) == 512  # 1000 to go: more than 1.5 chunks
+    req.uncached_estimate = 600  # as if its first 400 tokens were in the prefix cache
+    assert sched.long_chunk_budget([req]) == 600
+    engine, _, _ = sim_engine(policy="pla", long_chunk_size=512, max_num_batched_tokens=580)
+    (req,) = queue(engine, [A(0.0, 600)])
+    assert engine.scheduler.long_chunk_budget([req]) == 512  # 600 would exceed the step budget
 
 
 def carries_decodes(batch) -> bool:

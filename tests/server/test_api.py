@@ -298,7 +298,7 @@ def test_continuous_usage_stats_count_up_to_the_final_usage(client: openai.OpenA
         stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
     *running, last = chunks
     assert last.choices == [] and last.usage.completion_tokens == 12
-    assert all(c.choices for c in running) and len(running) > 1
+    assert all(c.choices for c in running)  # (a busy engine may merge tokens into fewer chunks)
     completion = [c.usage.completion_tokens for c in running]
     assert completion == sorted(set(completion)) and completion[-1] == 12  # strictly growing to the final count
     assert {c.usage.prompt_tokens for c in running} == {last.usage.prompt_tokens}

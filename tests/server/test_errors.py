@@ -122,6 +122,7 @@ REFUSED = [
     ("completions", {"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
     ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
     ("chat", {"extra_body": {"guided_grammar": "root ::= \"a\""}}, "guided_grammar"),
+    ("chat", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "structured_outputs"),
 ]
 # Fields with values that ask for nothing, so plain generation answers them.
 ACCEPTED = [

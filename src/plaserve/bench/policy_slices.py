@@ -60,8 +60,9 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
         results[pol] = {"summary": summarize(records, clock.now), "utilization": busy / arrivals[-1].arrival}
         violations[pol] = sum(r.ttft is None or r.ttft > r.slo_ttft for r in records)
     longs = sum(r.length_class == "long" for r in records)
-    bounds = slice_bounds([(a.arrival, a.prompt_tokens) for a in arrivals], cost, lambda n: slo.ttft(cost, n),
-                          config.scheduler.short_threshold)
+    # The bounds price the work as the simulated machine runs it (the step model); SLOs stay the slice's.
+    bounds = slice_bounds([(a.arrival, a.prompt_tokens) for a in arrivals], step_cost or cost,
+                          lambda n: slo.ttft(cost, n), config.scheduler.short_threshold)
     return SliceResult(s.start, len(arrivals), longs / len(arrivals), results.get("fcfs", {}).get("utilization", 0.0),
                        violations, target_checks(results, bounds))
 

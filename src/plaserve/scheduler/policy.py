@@ -25,16 +25,17 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
   takes its place by deadline (shorts) or aged length (longs) again. Under overload this is what keeps
   a burst's late requests from making the next ones late too.
 * **Decode cadence.** While requests are decoding, at most ``D`` prefill steps without decode tokens
-  run in a row, so a token's gap is bounded by ``D + 1`` steps. Decodes ride along every varlen
-  prefill step unless short requests are backed up (:meth:`short_backlog`); then they ride every
-  ``D + 1``-th step, and prefill goes first in between.
+  run in a row, so a token's gap is bounded by ``D + 1`` steps. On the varlen path decodes ride along
+  every prefill step unless short requests are backed up (:meth:`short_backlog`); then they ride every
+  ``D + 1``-th step, and prefill goes first in between. With static short batches they ride every long
+  chunk, and a decode step of their own follows at most ``D`` short batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from plaserve.engine.request import Request
+from plaserve.engine.request import Request, RequestStatus
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.buckets import batch_sizes, make_buckets, pick_bucket_batch
 from plaserve.scheduler.window import AdaptiveWindow
@@ -159,7 +160,9 @@ class PlaScheduler(Scheduler):
         """Predicted time the decoding requests add to a short batch they ride along (none with static
         batches, which leave decodes to steps of their own). The deadline checks count it: with a few
         dozen requests decoding it is a good part of a short batch's time on a CPU, and leaving it out
-        let batches finish just after their members' deadlines."""
+        let batches finish just after their members' deadlines. It counts every decoding request even
+        where they will skip the batch (a backlog, :meth:`short_backlog`): an upper bound, which kept
+        more requests on time in simulated replays than counting only the steps they ride."""
         decodes = [] if self.config.static_short_batches else self.decoding()
         return self.cost.batch_time([(1, r.num_tokens) for r in decodes]) - self.cost.c0 if decodes else 0.0
 
@@ -249,7 +252,10 @@ class PlaScheduler(Scheduler):
                     r.metrics.ready_time = max(ready_at, self.last_short_dispatch, r.metrics.arrival_time)
         decode_due = bool(decodes) and self.prefill_steps_since_decode >= c.max_prefill_steps_between_decodes
         long_due = long_pending and self.consecutive_short >= c.max_consecutive_short
-        riders = decodes if decode_due or not self.short_backlog(plan, long_pending) else []
+        # Decodes ride a varlen step unless shorts are backed up (then only when due); with static batches
+        # they ride every long chunk, as a padded short batch cannot carry them.
+        backlog = not c.static_short_batches and self.short_backlog(plan, long_pending)
+        riders = decodes if decode_due or not backlog else []
 
         batch = ScheduledBatch([])
         if decode_due and c.static_short_batches:  # a padded short batch cannot carry decodes
@@ -356,13 +362,17 @@ class PlaScheduler(Scheduler):
 
     def long_chunk_budget(self, queue: list[Request]) -> int:
         """Prefill tokens of the next long chunk: ``long_chunk_size``, stretched by up to half a chunk
-        to finish the head of the long ``queue``. A stub of less than half a chunk left over would wait
-        behind up to ``K`` more short batches for a step of its own, which adds their time to the long
-        request's TTFT for little work."""
+        (and never beyond the per-step token budget) to finish the head of the long ``queue``. A stub of
+        less than half a chunk left over would wait behind up to ``K`` more short batches for a step of
+        its own, which adds their time to the long request's TTFT for little work."""
         size = self.config.long_chunk_size
-        if queue and size < queue[0].num_pending_tokens <= size + size // 2:
-            return queue[0].num_pending_tokens
-        return size
+        if not queue:
+            return size
+        head = queue[0]
+        # A waiting request's cached prefix is not computed again: count what it will compute.
+        left = self._uncached(head) if head.status is RequestStatus.WAITING else head.num_pending_tokens
+        stretched = min(size + size // 2, self.max_num_batched_tokens)
+        return left if size < left <= stretched else size
 
     def schedule_long(self, decodes: list[Request]) -> ScheduledBatch:
         """One chunk of prefill tokens (:meth:`long_chunk_budget`), packed from the head of the long
@@ -372,7 +382,7 @@ class PlaScheduler(Scheduler):
         Without static short batches, the waiting short requests ride along too, whole, up to another
         ``long_chunk_size`` tokens: they start now instead of after their window and the chunk, and one
         larger step costs less than two (a fixed cost per step; matmuls over few rows run slower per
-        token). A step with riders runs at most twice a chunk's tokens. With static batches (CUDA graphs)
+        token). A step with riders runs at most 2.5 chunks' tokens. With static batches (CUDA graphs)
         shorts keep to their padded runners."""
         c = self.config
         items: list[BatchItem] = []

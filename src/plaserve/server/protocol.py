@@ -293,7 +293,8 @@ def _parse_stream(body: dict) -> tuple[bool, StreamOptions]:
                                  continuous_usage_stats=_opt_bool(options, "continuous_usage_stats", False))
 
 
-_GUIDED_DECODING_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's
+# vLLM's: the older guided_* fields and structured_outputs, which replaced them
+_GUIDED_DECODING_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
