@@ -1,12 +1,16 @@
 """The policy comparison of benchmarks/policies.py over many slices of each trace, on the simulated clock.
 
-    .venv/bin/python benchmarks/policy_slices.py                  # ~2 min fit, then 9 code + 10 conversation slices
+    .venv/bin/python benchmarks/policy_slices.py                  # ~2 min fit, then 9 code + 10 conversation slices (~30 s)
     .venv/bin/python benchmarks/policy_slices.py --out DIR        # also writes DIR/policy_slices.json
 
 The same setup as benchmarks/policies.py (lengths x0.25, prompts capped at 4000 and outputs at 64;
-arrivals rescaled so the predicted prefill work fills 0.68 (code) or 0.31 (conversation) of a 60 s
-window; TTFT SLO = max(0.5 s, 5 x the predicted isolated prefill); short < 512 tokens; the same
-scheduler settings), but each slice runs through the real schedulers on a simulated clock.
+arrivals rescaled so the predicted prefill work fills a share of a 60 s window; TTFT SLO = max(0.5 s,
+5 x the predicted isolated prefill); short < 512 tokens; the same scheduler settings), but each slice
+runs through the real schedulers on a simulated clock. The share (the load) is set per slice, by
+bisection, so that fcfs keeps the simulated machine busy 75 % of the window (--fcfs-util), as the
+issue asks of the load; slices differ in how much decode work comes with their prompts, so one load
+for all would put fcfs anywhere from 65 to 87 %. --fcfs-util 0 uses the fixed loads of
+benchmarks/policies.py (code 0.68, conversation 0.31).
 
 Two cost models are fitted at the start, one thread, on the embedded default model:
 * the isolated prefill fit of benchmarks/policies.py: it sizes the slices, sets the SLOs and is the
@@ -24,6 +28,7 @@ that benchmarks/policies.py measures on the wall clock.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -33,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from plaserve.bench.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
 from plaserve.bench.policies import Slice  # noqa: E402
-from plaserve.bench.policy_slices import pooled_lines, run_slice, slices_table  # noqa: E402
+from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table  # noqa: E402
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
 from plaserve.profile import Profile  # noqa: E402
@@ -85,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--code-starts", default="0:8000:1000", help="first rows of the code slices, START:STOP:STEP")
     p.add_argument("--conv-starts", default="0:18000:2000", help="first rows of the conversation slices")
     p.add_argument("--length-scale", type=float, default=0.25)
+    p.add_argument("--fcfs-util", type=float, default=0.75,
+                   help="set each slice's load so that fcfs keeps the simulated machine busy this share of the "
+                        "window (0: the fixed loads of benchmarks/policies.py)")
     p.add_argument("--out", default=None, help="folder for policy_slices.json")
     args = p.parse_args(argv)
 
@@ -106,9 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         file, load = TRACES[name]
         start, stop, every = (int(x) for x in starts.split(":"))
         t0 = time.time()
-        rows = [run_slice(Slice(name, file, first, 4000, load), config, cost, slo, step_cost=step,
-                          length_scale=args.length_scale) for first in range(start, stop + 1, every)]
-        print(f"\n== {file}: {len(rows)} slices from rows {start}..{stop} every {every}, load {load} "
+        rows = []
+        for first in range(start, stop + 1, every):
+            s = Slice(name, file, first, 4000, load)
+            if args.fcfs_util:
+                s = dataclasses.replace(s, load=fcfs_load(s, config, cost, slo, args.fcfs_util, step_cost=step,
+                                                          length_scale=args.length_scale))
+            rows.append(run_slice(s, config, cost, slo, step_cost=step, length_scale=args.length_scale))
+        loads = f"loads for fcfs at {args.fcfs_util:.0%}" if args.fcfs_util else f"load {load}"
+        print(f"\n== {file}: {len(rows)} slices from rows {start}..{stop} every {every}, {loads} "
               f"({time.time() - t0:.0f} s)\n")
         print(slices_table(rows))
         print("\n(x: target missed; b: missed, and beyond the bound: no scheduler could meet it on the slice)\n")

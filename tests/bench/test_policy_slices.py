@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from plaserve.bench.offline import SloRule
 from plaserve.bench.policies import Slice
-from plaserve.bench.policy_slices import pooled_lines, run_slice, slices_table
+from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table
 from plaserve.config import EngineConfig, SchedulerConfig
 from plaserve.cost import CostModel
 
@@ -31,3 +33,12 @@ def test_slices_run_every_policy_and_pool_the_checks():
     assert "| pla short TTFT p50 vs fcfs | <= -60% | 2 of 2 | 0 |" in "\n".join(pooled)
     total = sum(r.requests for r in rows)
     assert f"({total} requests)" in pooled[-1]
+
+
+def test_fcfs_load_sets_the_utilization_the_issue_asks_for():
+    s = Slice("conv", "azure_conv_2023.csv", 0, 4000, 0.31)
+    load = fcfs_load(s, CONFIG, COST, SLO, 0.75, seconds=8.0)
+    row = run_slice(dataclasses.replace(s, load=load), CONFIG, COST, SLO, seconds=8.0, policies=("fcfs",))
+    assert row.load == load and abs(row.fcfs_utilization - 0.75) < 0.05
+    busier = run_slice(dataclasses.replace(s, load=load * 1.3), CONFIG, COST, SLO, seconds=8.0, policies=("fcfs",))
+    assert busier.fcfs_utilization > row.fcfs_utilization

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from plaserve.bench.bounds import slice_bounds
 from plaserve.bench.offline import SloRule, to_record, with_policy
 from plaserve.bench.policies import POLICIES, Check, Slice, scaled_slice, target_checks
-from plaserve.bench.report import summarize
+from plaserve.bench.report import RequestRecord, summarize
+from plaserve.bench.trace import TraceRequest
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
@@ -31,14 +32,41 @@ from plaserve.sim.runner import CostRunner, SimClock
 
 @dataclass(frozen=True)
 class SliceResult:
-    """One slice: its first row, size, the fcfs utilization, the violations per policy and pla's checks."""
+    """One slice: its first row, load, size, the fcfs utilization, the violations per policy and pla's
+    checks."""
 
     start: int
+    load: float
     requests: int
     long_share: float
     fcfs_utilization: float
     violations: dict[str, int]
     checks: list[Check]
+
+
+def _simulate(arrivals: Sequence[TraceRequest], config: EngineConfig, policy: str, cost: CostModel,
+              step_cost: CostModel, slo: SloRule) -> tuple[list[RequestRecord], float, float]:
+    """One policy on the simulated clock: the records, the utilization of the arrival window, the end."""
+    clock = SimClock()
+    engine = LLMEngine(with_policy(config, policy), runner=CostRunner(step_cost, clock), cost=cost, clock=clock)
+    records = [to_record(r, slo, cost) for r in replay(engine, clock, arrivals)]
+    busy = sum(end - start for start, end, _ in engine.runner.batches)
+    return records, busy / arrivals[-1].arrival, clock.now
+
+
+def fcfs_load(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, utilization: float, *,
+              step_cost: CostModel | None = None, length_scale: float = 0.25, seconds: float = 60.0,
+              steps: int = 7) -> float:
+    """The load (predicted prefill work / window) at which fcfs keeps the simulated machine busy
+    ``utilization`` of the slice's window, by bisection: the issue sets the load by fcfs's utilization,
+    and slices differ in how much decode work comes with their prefill work."""
+    lo, hi = 0.05, 1.5
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        arrivals, _ = scaled_slice(s, cost, length_scale, mid, max_prompt=4000, max_output=64, seconds=seconds)
+        _, busy, _ = _simulate(arrivals, config, "fcfs", cost, step_cost or cost, slo)
+        lo, hi = (mid, hi) if busy < utilization else (lo, mid)
+    return round((lo + hi) / 2, 3)
 
 
 def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, step_cost: CostModel | None = None,
@@ -52,19 +80,15 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
     results: dict[str, dict] = {}
     violations: dict[str, int] = {}
     for pol in policies:
-        clock = SimClock()
-        engine = LLMEngine(with_policy(config, pol), runner=CostRunner(step_cost or cost, clock), cost=cost,
-                           clock=clock)
-        records = [to_record(r, slo, cost) for r in replay(engine, clock, arrivals)]
-        busy = sum(end - start for start, end, _ in engine.runner.batches)
-        results[pol] = {"summary": summarize(records, clock.now), "utilization": busy / arrivals[-1].arrival}
+        records, busy, end = _simulate(arrivals, config, pol, cost, step_cost or cost, slo)
+        results[pol] = {"summary": summarize(records, end), "utilization": busy}
         violations[pol] = sum(r.ttft is None or r.ttft > r.slo_ttft for r in records)
     longs = sum(r.length_class == "long" for r in records)
     # The bounds price the work as the simulated machine runs it (the step model); SLOs stay the slice's.
     bounds = slice_bounds([(a.arrival, a.prompt_tokens) for a in arrivals], step_cost or cost,
                           lambda n: slo.ttft(cost, n), config.scheduler.short_threshold)
-    return SliceResult(s.start, len(arrivals), longs / len(arrivals), results.get("fcfs", {}).get("utilization", 0.0),
-                       violations, target_checks(results, bounds))
+    return SliceResult(s.start, s.load, len(arrivals), longs / len(arrivals),
+                       results.get("fcfs", {}).get("utilization", 0.0), violations, target_checks(results, bounds))
 
 
 def slices_table(rows: Sequence[SliceResult]) -> str:
@@ -72,12 +96,12 @@ def slices_table(rows: Sequence[SliceResult]) -> str:
     it misses its target and ``b`` where that is beyond the bound (no scheduler could meet it)."""
     names = [c.name for c in rows[0].checks]
     pols = list(rows[0].violations)
-    head = (f"| first row | requests | long | fcfs util | {' | '.join(f'{p} viol.' for p in pols)} | "
-            f"{' | '.join(names)} |\n|{'---|' * (4 + len(pols) + len(names))}")
+    head = (f"| first row | load | requests | long | fcfs util | {' | '.join(f'{p} viol.' for p in pols)} | "
+            f"{' | '.join(names)} |\n|{'---|' * (5 + len(pols) + len(names))}")
     lines = [head]
     for r in rows:
         marks = " | ".join(c.fmt(c.measured) + _mark(c) for c in r.checks)
-        lines.append(f"| {r.start} | {r.requests} | {r.long_share * 100:.0f}% | {r.fcfs_utilization * 100:.0f}% | "
+        lines.append(f"| {r.start} | {r.load:.3g} | {r.requests} | {r.long_share * 100:.0f}% | {r.fcfs_utilization * 100:.0f}% | "
                      f"{' | '.join(str(r.violations[p]) for p in pols)} | {marks} |")
     return "\n".join(lines)
 
