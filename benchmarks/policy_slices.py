@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n(x: target missed; b: missed, and beyond the bound: no scheduler could meet it on the slice)\n")
         pooled = pooled_lines(rows)
         print("\n".join(pooled))
-        out["traces"][name] = {"load": load, "pooled": pooled, "table": slices_table(rows)}
+        out["traces"][name] = {"loads": [r.load for r in rows], "fcfs_util_target": args.fcfs_util or None,
+                               "pooled": pooled, "table": slices_table(rows)}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "policy_slices.json"), "w") as f:
