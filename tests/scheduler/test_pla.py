@@ -281,6 +281,20 @@ def test_late_requests_yield_to_on_time_ones_for_a_bounded_time():
     assert sched.short_candidates() == [early, later]
 
 
+def test_a_request_yields_when_serving_it_would_make_several_others_late():
+    # All due at 0.3 s. The long prompt (0.24 s of work) could make its deadline alone, but then at most
+    # one of the three shorts (0.05 s each) would make theirs: the fewest-late order gives it up.
+    engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.3, ttft_slo_factor=1.0, late_yield=2.0)
+    long, *shorts = queue(engine, [A(0.0, 2000)] + [A(0.001, 480)] * 3)
+    sched = engine.scheduler
+    sched._now = 0.001
+    assert sched._now + COST.prefill_time(2000) < sched.deadline(long)  # on time if it ran alone
+    assert sched.late_set() == {long}
+    assert sched.yields(long) and not any(sched.yields(r) for r in shorts)
+    sched._now = 0.6  # waited 2 SLOs: it no longer yields
+    assert not sched.yields(long)
+
+
 def test_yielding_cuts_slo_violations_in_a_burst():
     # 30 shorts at once (most must miss 0.25 s), then a trickle the engine could serve in time. In
     # plain deadline order (late_yield=0) the trickle waits behind the burst's late requests, whose

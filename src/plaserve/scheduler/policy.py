@@ -20,8 +20,9 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
 * **Long progress.** While a long prefill is pending, at most ``K`` short batches run in a row before
   its next chunk. A long request at the head of the long queue with ``C`` chunks left therefore finishes
   its prefill within ``C * (K + 1)`` prefill steps (plus the decode steps between them).
-* **Late requests.** A request predicted to miss its TTFT SLO even if it ran at once queues behind
-  the requests that can still meet theirs, but only until it has waited ``late_yield`` SLOs; then it
+* **Late requests.** A request that the fewest-late order of the queue would serve late (one that
+  cannot make its SLO, or whose service would make several others miss theirs) queues behind the
+  requests that can still meet theirs, but only until it has waited ``late_yield`` SLOs; then it
   takes its place by deadline (shorts) or aged length (longs) again. Under overload this is what keeps
   a burst's late requests from making the next ones late too.
 * **Decode cadence.** While requests are decoding, at most ``D`` prefill steps without decode tokens
@@ -33,6 +34,7 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 
 from plaserve.engine.request import Request, RequestStatus
@@ -84,6 +86,8 @@ class PlaScheduler(Scheduler):
         self.prefill_steps_since_decode = 0
         self.last_short_dispatch = float("-inf")
         self._now = 0.0  # time of the step being scheduled
+        self._late: set[Request] = set()  # late_set() at time _late_at
+        self._late_at = float("nan")
 
     @property
     def long_chunk_time(self) -> float:
@@ -136,8 +140,9 @@ class PlaScheduler(Scheduler):
         return req.metrics.arrival_time + req.ttft_slo
 
     def yields(self, req: Request) -> bool:
-        """Whether ``req`` gives way to requests that can still meet their deadlines: it cannot meet its
-        own even if it ran alone now, and it has waited less than ``late_yield`` of its SLOs.
+        """Whether ``req`` gives way to the requests that can still meet their deadlines: the fewest-late
+        order of the queue serves it late (:meth:`late_set`), and it has waited less than ``late_yield``
+        of its SLOs.
 
         Serving by urgency alone lets the requests an overload has already made late make the on-time
         ones late too; yielding serves the on-time ones first, and the bound keeps the late ones from
@@ -146,7 +151,30 @@ class PlaScheduler(Scheduler):
         waited = self._now - req.metrics.arrival_time
         if waited >= self.config.late_yield * req.ttft_slo:
             return False
-        return self._now + self.cost.prefill_time(self._uncached(req)) > self.deadline(req)
+        return req in self.late_set()
+
+    def late_set(self) -> set[Request]:
+        """The pending prefills that a schedule making the fewest of them late would leave late, if
+        nothing else arrived: Moore-Hodgson over the queue as it stands (earliest deadline first; when
+        one would finish late, the longest so far is given up). It gives up a request that could still
+        make its deadline where serving it would make several others miss theirs, which a test of each
+        request on its own misses. Computed once per scheduling time (the sort and the batch checks ask
+        for it per request)."""
+        if self._late_at == self._now:
+            return self._late
+        pending = [r for r in self.running if r.in_prefill] + list(self.waiting)
+        t, taken, late = self._now, [], set()
+        for i, req in enumerate(sorted(pending, key=self.deadline)):
+            left = self._uncached(req) if req.status is RequestStatus.WAITING else req.num_pending_tokens
+            work = self.cost.prefill_time(left) - self.cost.c0
+            heapq.heappush(taken, (-work, -i, req))  # of equally long ones, give up the latest in order
+            t += work
+            if t > self.deadline(req):
+                longest, _, dropped = heapq.heappop(taken)
+                t += longest
+                late.add(dropped)
+        self._late, self._late_at = late, self._now
+        return late
 
     def long_pending(self) -> bool:
         """Whether any long prefill is waiting or under way."""
