@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from plaserve import EngineConfig, LLMEngine
-from plaserve.bench.bounds import Job, fewest_late, jobs_for, max_flow_fifo, min_slo_violations, min_ttft_percentile
+from plaserve.bench.bounds import (ONLINE_ORDERS, Job, fewest_late, jobs_for, max_flow_fifo, min_slo_violations,
+                                   min_ttft_percentile, online_late)
 from plaserve.bench.policies import ratio_lines
 from plaserve.cost import CostModel
 from plaserve.sim.replay import replay
@@ -130,3 +131,26 @@ def test_checks_say_when_a_target_is_beyond_the_bound():
     # SLO violations: -60 % against a -70 % target, the bound allows -80 %.
     assert lines["| pla SLO violations vs fcfs"].endswith("| -80% | MISSED |")
     assert lines["| pla long TTFT p50 vs fcfs"].endswith("| +0% | <= +10% | - | met |")
+
+
+def test_online_schedules_never_beat_the_bound_and_edf_is_exact_when_all_fit():
+    rng = random.Random(3)
+    for _ in range(100):
+        jobs = []
+        for _ in range(rng.randint(1, 7)):
+            t = rng.uniform(0, 2.0)
+            jobs.append(Job(t, rng.uniform(0.1, 1.0), t + rng.uniform(0.2, 3.0)))
+        best = fewest_late(jobs)
+        for order in ONLINE_ORDERS:
+            assert online_late(jobs, order) >= best
+            assert online_late(jobs, order, short_work=0.5) >= best
+        if best == 0:  # preemptive earliest deadline first meets every deadline when any schedule can
+            assert online_late(jobs, "earliest deadline") == 0
+
+
+def test_giving_up_the_longest_saves_the_rest_online():
+    # A long job and three short ones, all due at 1.0: served by deadline alone (ties by arrival) the
+    # long one goes first and every short one is late; given up, it alone is late.
+    jobs = [Job(0.0, 0.9, 1.0)] + [Job(0.01, 0.2, 1.0)] * 3
+    assert online_late(jobs, "earliest deadline") == 3
+    assert online_late(jobs, "earliest deadline, given-up last") == 1 == fewest_late(jobs)

@@ -27,14 +27,18 @@ def test_slices_run_every_policy_and_pool_the_checks():
         # The code trace's long prompts hold fcfs's shorts back; pla serves them first.
         assert checks["short TTFT p50 vs fcfs"].measured < -0.5
         assert r.least_violations <= min(r.violations.values())
+        assert set(r.online_violations) == {"earliest deadline", "earliest deadline, given-up last",
+                                            "least work left, given-up last", "shorts first, given-up last"}
+        assert all(r.least_violations <= v for v in r.online_violations.values())
         assert r.violations["pla"] < r.violations["fcfs"]
     table = slices_table(rows).splitlines()
     assert len(table) == 2 + len(rows) and table[2].startswith("| 0 | ")
     pooled = pooled_lines(rows)
     assert "| pla short TTFT p50 vs fcfs | <= -60% | 2 of 2 | 0 |" in "\n".join(pooled)
     total = sum(r.requests for r in rows)
-    assert f"({total} requests)" in pooled[-1]
-    assert f"no scheduler fewer than {sum(r.least_violations for r in rows)} " in pooled[-1]
+    assert f"({total} requests)" in pooled[-3]
+    assert f"no scheduler fewer than {sum(r.least_violations for r in rows)} " in pooled[-3]
+    assert pooled[-1].startswith("Idealised online schedules")
 
 
 def test_fcfs_load_sets_the_utilization_the_issue_asks_for():

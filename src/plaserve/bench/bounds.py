@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +25,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
 from plaserve.cost import CostModel
+from plaserve.scheduler.policy import moore_hodgson_late
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,46 @@ def fewest_late(jobs: Sequence[Job], time_limit: float = 30.0) -> int:
                options={"time_limit": time_limit})
     on_time = -res.fun if res.status == 0 else -res.mip_dual_bound
     return n - math.floor(on_time + 1e-6)
+
+
+# Orders for :func:`online_late`: each ranks a ready job (lowest first) by the job, the work it has
+# left, and whether the fewest-late order of the ready jobs gives it up.
+ONLINE_ORDERS: dict[str, Callable[[Job, float, bool], tuple]] = {
+    "earliest deadline": lambda job, left, given_up: (job.deadline,),
+    "earliest deadline, given-up last": lambda job, left, given_up: (given_up, job.deadline),
+    "least work left, given-up last": lambda job, left, given_up: (given_up, left),
+}
+
+
+def online_late(jobs: Sequence[Job], order: str, short_work: float | None = None) -> int:
+    """Late jobs when one machine serves ``jobs`` as they arrive, preempting at no cost, always running
+    the ready job first in ``order`` (:data:`ONLINE_ORDERS`): what a scheduler that knows only the past
+    can do in the bounds' relaxation, to set beside :func:`min_slo_violations`, which knows the future.
+    ``short_work``: jobs needing at most this much go before all others (a short queue first).
+
+    The ranking changes only when a job arrives or finishes, so the machine runs the first job until
+    the next of those events."""
+    jobs = sorted(jobs, key=lambda j: j.arrival)
+    left = [j.work for j in jobs]  # by index: equal jobs are still different requests
+    rank = ONLINE_ORDERS[order]
+    ready: list[int] = []
+    t, nxt, late = -math.inf, 0, 0
+    while nxt < len(jobs) or ready:
+        if not ready:
+            t = max(t, jobs[nxt].arrival)
+        while nxt < len(jobs) and jobs[nxt].arrival <= t:
+            ready.append(nxt)
+            nxt += 1
+        given_up = moore_hodgson_late(ready, t, left.__getitem__, lambda k: jobs[k].deadline)
+        k = min(ready, key=lambda k: (short_work is not None and jobs[k].work > short_work,
+                                      *rank(jobs[k], left[k], k in given_up)))
+        run = min(left[k], jobs[nxt].arrival - t if nxt < len(jobs) else math.inf)
+        t += run
+        left[k] -= run
+        if left[k] <= 1e-12:
+            ready.remove(k)
+            late += t > jobs[k].deadline + 1e-9
+    return late
 
 
 def min_slo_violations(jobs: Sequence[Job]) -> int:

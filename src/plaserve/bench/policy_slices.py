@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from plaserve.bench.bounds import slice_bounds
+from plaserve.bench.bounds import ONLINE_ORDERS, jobs_for, online_late, slice_bounds
 from plaserve.bench.offline import SloRule, to_record, with_policy
 from plaserve.bench.policies import POLICIES, Check, Slice, scaled_slice, target_checks
 from plaserve.bench.report import RequestRecord, summarize
@@ -33,7 +33,8 @@ from plaserve.sim.runner import CostRunner, SimClock
 @dataclass(frozen=True)
 class SliceResult:
     """One slice: its first row, load, size, the fcfs utilization, the violations per policy, the fewest
-    any scheduler could have (:func:`slice_bounds`) and pla's checks."""
+    any scheduler could have (:func:`slice_bounds`), those of idealised online schedules in the same
+    relaxation (:func:`ideal_online`) and pla's checks."""
 
     start: int
     load: float
@@ -42,6 +43,7 @@ class SliceResult:
     fcfs_utilization: float
     violations: dict[str, int]
     least_violations: int
+    online_violations: dict[str, int]
     checks: list[Check]
 
 
@@ -86,11 +88,25 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
         violations[pol] = sum(r.ttft is None or r.ttft > r.slo_ttft for r in records)
     longs = sum(r.length_class == "long" for r in records)
     # The bounds price the work as the simulated machine runs it (the step model); SLOs stay the slice's.
-    bounds = slice_bounds([(a.arrival, a.prompt_tokens) for a in arrivals], step_cost or cost,
-                          lambda n: slo.ttft(cost, n), config.scheduler.short_threshold)
+    prompts = [(a.arrival, a.prompt_tokens) for a in arrivals]
+    bounds = slice_bounds(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), config.scheduler.short_threshold)
+    online = ideal_online(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), config.scheduler.short_threshold)
     return SliceResult(s.start, s.load, len(arrivals), longs / len(arrivals),
                        results.get("fcfs", {}).get("utilization", 0.0), violations,
-                       round(bounds["slo_violation_rate"] * len(arrivals)), target_checks(results, bounds))
+                       round(bounds["slo_violation_rate"] * len(arrivals)), online, target_checks(results, bounds))
+
+
+def ideal_online(prompts: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int) -> dict[str, int]:
+    """SLO violations of idealised online schedules of ``(arrival, prompt_tokens)`` in the bounds'
+    relaxation (:func:`~plaserve.bench.bounds.online_late`: preemptive, no decode work, no per-step
+    cost, knowing only what has arrived): each order of ``ONLINE_ORDERS``, and shorts first with the
+    given-up ones last. Beside the bound, which knows the future, they show how much of the gap
+    between a real scheduler and the bound is foresight."""
+    jobs = jobs_for(prompts, cost, slo_of)
+    out = {order: online_late(jobs, order) for order in ONLINE_ORDERS}
+    out["shorts first, given-up last"] = online_late(jobs, "earliest deadline, given-up last",
+                                                      short_work=cost.prefill_time(short_threshold - 1) - cost.c0)
+    return out
 
 
 def slices_table(rows: Sequence[SliceResult]) -> str:
@@ -131,4 +147,7 @@ def pooled_lines(rows: Sequence[SliceResult]) -> list[str]:
     if totals.get("fcfs"):
         out[-1] += f"; pla vs fcfs {(totals['pla'] - totals['fcfs']) / totals['fcfs'] * 100:+.0f}%"
     out[-1] += "."
+    online = ", ".join(f"{order} {sum(r.online_violations[order] for r in rows)}" for order in rows[0].online_violations)
+    out += ["", f"Idealised online schedules in the bound's relaxation (preemptive, no decode work, no per-step "
+                f"cost, knowing only what has arrived), SLO violations over all slices: {online}."]
     return out

@@ -35,12 +35,15 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from plaserve.engine.request import Request, RequestStatus
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.buckets import batch_sizes, make_buckets, pick_bucket_batch
 from plaserve.scheduler.window import AdaptiveWindow
+
+T = TypeVar("T")
 
 
 class FcfsScheduler(Scheduler):
@@ -58,6 +61,23 @@ class FcfsScheduler(Scheduler):
         # Running requests first (decodes and unfinished prefills), oldest first; then new ones.
         self.pack([*self.running, *self.waiting_order()], self.max_num_batched_tokens, items, preempted)
         return ScheduledBatch(items, kind="mixed", preempted=preempted)
+
+
+def moore_hodgson_late(jobs: Iterable[T], start: float, work: Callable[[T], float],
+                       deadline: Callable[[T], float]) -> set[T]:
+    """The jobs that one machine serving ``jobs`` from ``start`` with the fewest late ones leaves late
+    (Moore-Hodgson: earliest deadline first; whenever a job would finish late, give up the longest taken
+    so far; of equally long ones, the latest in that order). Exact when all jobs are ready at ``start``."""
+    t, taken, late = start, [], set()
+    for i, job in enumerate(sorted(jobs, key=deadline)):
+        w = work(job)
+        heapq.heappush(taken, (-w, -i, job))
+        t += w
+        if t > deadline(job):
+            longest, _, dropped = heapq.heappop(taken)
+            t += longest
+            late.add(dropped)
+    return late
 
 
 class SpfScheduler(FcfsScheduler):
@@ -128,8 +148,8 @@ class PlaScheduler(Scheduler):
 
     def short_candidates(self) -> list[Request]:
         """Waiting short requests, most urgent first: those whose batch window already closed (so the
-        head-of-line guarantee holds), then earliest TTFT deadline first, except that a request that can
-        no longer meet its deadline goes after those that still can (see :meth:`yields`)."""
+        head-of-line guarantee holds), then earliest TTFT deadline first, except that a request the
+        fewest-late order gives up goes after the others (see :meth:`yields`)."""
         shorts = [r for r in self.waiting if r.length_class == "short"]
         return sorted(shorts, key=lambda r: (r.metrics.ready_time is None, self.yields(r), self.deadline(r)))
 
@@ -163,16 +183,11 @@ class PlaScheduler(Scheduler):
         if self._late_at == self._now:
             return self._late
         pending = [r for r in self.running if r.in_prefill] + list(self.waiting)
-        t, taken, late = self._now, [], set()
-        for i, req in enumerate(sorted(pending, key=self.deadline)):
+
+        def work(req: Request) -> float:
             left = self._uncached(req) if req.status is RequestStatus.WAITING else req.num_pending_tokens
-            work = self.cost.prefill_time(left) - self.cost.c0
-            heapq.heappush(taken, (-work, -i, req))  # of equally long ones, give up the latest in order
-            t += work
-            if t > self.deadline(req):
-                longest, _, dropped = heapq.heappop(taken)
-                t += longest
-                late.add(dropped)
+            return self.cost.prefill_time(left) - self.cost.c0
+        late = moore_hodgson_late(pending, self._now, work, self.deadline)
         self._late, self._late_at = late, self._now
         return late
 
@@ -377,7 +392,7 @@ class PlaScheduler(Scheduler):
 
     def long_queue(self) -> list[Request]:
         """Long prefills in the order they advance: running ones first, then waiting ones by
-        :meth:`_long_priority`, those that can no longer meet their deadline after the rest (:meth:`yields`)."""
+        :meth:`_long_priority`, those the fewest-late order gives up after the rest (:meth:`yields`)."""
         running = [r for r in self.running if r.length_class == "long" and r.in_prefill]
         waiting = [r for r in self.waiting if r.length_class == "long"]
         return running + sorted(waiting, key=lambda r: (self.yields(r), self._long_priority(r)))

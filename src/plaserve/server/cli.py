@@ -38,6 +38,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-online-refit", action="store_true",
                    help="keep the cost model fixed (default: refit it on the engine's own prefill timings)")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
+    sched = p.add_argument_group("scheduling", "the step policies' knobs (the length threshold, long chunk size "
+                                               "and batch window come from --profile)")
+    for flag, type_, help_ in SCHEDULER_FLAGS:
+        sched.add_argument(flag, type=type_, default=None, help=help_)
+
+
+# Scheduler knobs a deployment may want to set: (flag, type, help). Each sets the SchedulerConfig field
+# of the flag's name; unset ones keep the engine's defaults.
+SCHEDULER_FLAGS: list[tuple[str, type, str]] = [
+    ("--max-num-batched-tokens", int, "fcfs/spf: tokens per step; pla: most tokens in one short batch"),
+    ("--ttft-slo-factor", float, "TTFT SLO = max(floor, factor x predicted isolated prefill time)"),
+    ("--ttft-slo-floor", float, "the TTFT SLO's floor, in seconds"),
+    ("--max-consecutive-short", int, "pla: short batches in a row while a long prefill waits (K)"),
+    ("--late-yield", float, "pla: a request that will miss its TTFT SLO waits behind on-time ones for at most "
+                            "this many SLOs (higher: fewer SLO misses, a longer tail for the late ones)"),
+]
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,6 +69,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs["profile"] = args.profile
     if args.no_online_refit:
         kwargs["online_refit"] = False
+    for flag, _, _ in SCHEDULER_FLAGS:
+        name = flag[2:].replace("-", "_")
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     return EngineConfig.from_kwargs(**kwargs)
 
 
