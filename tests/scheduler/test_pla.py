@@ -307,3 +307,13 @@ def test_yielding_cuts_slo_violations_in_a_burst():
         late[late_yield] = [sum(r.metrics.ttft > r.ttft_slo for r in part) for part in (reqs, reqs[30:])]
     assert late[2.0][1] <= late[0.0][1] - 4  # the trickle: 8 late without yielding, 2 with
     assert late[2.0][0] < late[0.0][0]
+
+
+def test_a_request_arriving_at_the_same_time_joins_the_late_set():
+    engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.3, ttft_slo_factor=1.0, late_yield=2.0)
+    shorts = queue(engine, [A(0.001, 480)] * 3)
+    sched = engine.scheduler
+    sched._now = 0.001
+    assert sched.late_set() == set()
+    long, = queue(engine, [A(0.0, 2000)])  # same scheduling time, a new request: the set is recomputed
+    assert sched.late_set() == {long} and not any(sched.yields(r) for r in shorts)

@@ -117,11 +117,13 @@ class PlaScheduler(Scheduler):
     # --- queues ---------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         super().add(req)
+        self._late_at = float("nan")  # the late set was computed without it
         if req.length_class == "short":
             self.window.observe_arrival(req.metrics.arrival_time)
 
     def preempt(self, req: Request) -> None:
         super().preempt(req)
+        self._late_at = float("nan")
         # It recomputes prompt and output so far; a long recompute belongs on the chunked path.
         if req.num_tokens >= self.config.short_threshold:
             req.length_class = "long"
@@ -178,8 +180,8 @@ class PlaScheduler(Scheduler):
         nothing else arrived: Moore-Hodgson over the queue as it stands (earliest deadline first; when
         one would finish late, the longest so far is given up). It gives up a request that could still
         make its deadline where serving it would make several others miss theirs, which a test of each
-        request on its own misses. Computed once per scheduling time (the sort and the batch checks ask
-        for it per request)."""
+        request on its own misses. Computed once per scheduling time and queue (the sort and the batch
+        checks ask for it per request)."""
         if self._late_at == self._now:
             return self._late
         pending = [r for r in self.running if r.in_prefill] + list(self.waiting)
