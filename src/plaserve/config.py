@@ -24,7 +24,7 @@ class SchedulerConfig:
     max_consecutive_short: int = 6  # pla: short batches in a row while a long prefill waits
     max_prefill_steps_between_decodes: int = 2  # pla: steps without decodes in a row (bounds time between tokens)
     long_aging: float = 0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
-    late_yield: float = 2.0  # pla: a request that will miss its TTFT SLO queues behind on-time ones until it has waited this many SLOs (0: never)
+    late_yield: float = 2.0  # pla: a request given up to keep others on time queues behind them until it has waited this many SLOs (0: never)
     static_short_batches: bool = True  # pla: right-pad short batches to their (batch, bucket) grid shape
     max_static_batch_tokens: int | None = None  # pla: most tokens in one padded batch (the engine sets it from cuda_graph_memory)
     ttft_slo_factor: float = 5.0  # TTFT SLO = max(floor, factor * predicted isolated prefill time)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from plaserve import EngineConfig, LLMEngine
+from plaserve.bench import bounds
 from plaserve.bench.bounds import (ONLINE_ORDERS, Job, fewest_late, jobs_for, max_flow_fifo, min_slo_violations,
                                    min_ttft_percentile, online_late)
 from plaserve.bench.policies import ratio_lines
@@ -154,3 +155,26 @@ def test_giving_up_the_longest_saves_the_rest_online():
     jobs = [Job(0.0, 0.9, 1.0)] + [Job(0.01, 0.2, 1.0)] * 3
     assert online_late(jobs, "earliest deadline") == 3
     assert online_late(jobs, "earliest deadline, given-up last") == 1 == fewest_late(jobs)
+
+
+def test_busy_periods_can_be_solved_apart():
+    rng = random.Random(4)
+    for _ in range(50):
+        jobs = []
+        for _ in range(rng.randint(2, 12)):
+            t = rng.uniform(0, 6.0)
+            jobs.append(Job(t, rng.uniform(0.1, 1.0), t + rng.uniform(0.2, 2.0)))
+        assert min_slo_violations(jobs) == fewest_late(jobs)
+
+
+@pytest.mark.parametrize("dual, expected", [(-float("inf"), 1), (None, 1), (-2.5, 2)])
+def test_a_solver_stopped_early_still_gives_a_lower_bound(monkeypatch, dual, expected):
+    # Four jobs due together that cannot all fit (one of them cannot make it even alone). Stopped
+    # before optimality, the solver's bound on the on-time set is all there is to go by.
+    jobs = [Job(0.0, 1.0, 2.0)] * 3 + [Job(0.0, 3.0, 2.0)]
+    assert fewest_late(jobs) == 2
+
+    class Stopped:
+        status, fun, mip_dual_bound = 1, -1.0, dual
+    monkeypatch.setattr(bounds, "milp", lambda *args, **kwargs: Stopped())
+    assert bounds.fewest_late(jobs) == expected  # never above the true answer, 2

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 import argparse
+
+import pytest
 
 from plaserve.cli import main
 from plaserve.server.cli import add_serve_arguments, engine_config_from_args
@@ -36,3 +36,9 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
             sched.max_num_batched_tokens) == (5.0, 3, 0.5, 4.0, 4096)
     defaults = engine_config_from_args(serve_args([])).scheduler
     assert defaults.late_yield == 2.0 and defaults.max_num_batched_tokens == 2048
+
+
+@pytest.mark.parametrize("flag", ["--late-yield", "--max-consecutive-short", "--ttft-slo-floor"])
+def test_negative_scheduler_flags_fail_clearly(flag, capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", flag, "-1", "--kv-cache-memory", "256MiB"]) == 2
+    assert flag in capsys.readouterr().err

@@ -93,7 +93,7 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
     online = ideal_online(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), config.scheduler.short_threshold)
     return SliceResult(s.start, s.load, len(arrivals), longs / len(arrivals),
                        results.get("fcfs", {}).get("utilization", 0.0), violations,
-                       round(bounds["slo_violation_rate"] * len(arrivals)), online, target_checks(results, bounds))
+                       bounds["slo_violations"], online, target_checks(results, bounds))
 
 
 def ideal_online(prompts: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int) -> dict[str, int]:

@@ -51,8 +51,8 @@ SCHEDULER_FLAGS: list[tuple[str, type, str]] = [
     ("--ttft-slo-factor", float, "TTFT SLO = max(floor, factor x predicted isolated prefill time)"),
     ("--ttft-slo-floor", float, "the TTFT SLO's floor, in seconds"),
     ("--max-consecutive-short", int, "pla: short batches in a row while a long prefill waits (K)"),
-    ("--late-yield", float, "pla: a request that will miss its TTFT SLO waits behind on-time ones for at most "
-                            "this many SLOs (higher: fewer SLO misses, a longer tail for the late ones)"),
+    ("--late-yield", float, "pla: a request given up to keep others on time waits behind them for at most "
+                            "this many of its SLOs (higher: fewer SLO misses, a longer tail for the late ones)"),
 ]
 
 
@@ -71,8 +71,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs["online_refit"] = False
     for flag, _, _ in SCHEDULER_FLAGS:
         name = flag[2:].replace("-", "_")
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
+        value = getattr(args, name)
+        if value is not None:
+            if value < 0 or (value == 0 and name != "late_yield"):
+                raise ValueError(f"{flag} must be positive (got {value})")
+            kwargs[name] = value
     return EngineConfig.from_kwargs(**kwargs)
 
 
