@@ -43,6 +43,13 @@ def edf_on_time(jobs: tuple[Job, ...]) -> bool:
     return True
 
 
+def random_jobs(rng: random.Random, n: int, spread: float, slack: float = 3.0) -> list[Job]:
+    """``n`` jobs arriving within ``spread`` seconds, each 0.1-1 s of work, due 0.2 s to ``slack`` s after
+    its arrival."""
+    arrivals = [rng.uniform(0, spread) for _ in range(n)]
+    return [Job(t, rng.uniform(0.1, 1.0), t + rng.uniform(0.2, slack)) for t in arrivals]
+
+
 def brute_fewest_late(jobs: list[Job]) -> int:
     """Fewest late jobs by trying every subset to serve on time."""
     return min(len(jobs) - k for k in range(len(jobs) + 1) for on_time in itertools.combinations(jobs, k)
@@ -53,10 +60,7 @@ def brute_fewest_late(jobs: list[Job]) -> int:
 def test_fewest_late_is_exact(spread):
     rng = random.Random(0)
     for _ in range(150):
-        jobs = []
-        for _ in range(rng.randint(1, 7)):
-            t = rng.uniform(0, spread)
-            jobs.append(Job(t, rng.uniform(0.1, 1.0), t + rng.uniform(0.2, 3.0)))
+        jobs = random_jobs(rng, rng.randint(1, 7), spread)
         assert fewest_late(jobs) == brute_fewest_late(jobs)
 
 
@@ -137,10 +141,7 @@ def test_checks_say_when_a_target_is_beyond_the_bound():
 def test_online_schedules_never_beat_the_bound_and_edf_is_exact_when_all_fit():
     rng = random.Random(3)
     for _ in range(100):
-        jobs = []
-        for _ in range(rng.randint(1, 7)):
-            t = rng.uniform(0, 2.0)
-            jobs.append(Job(t, rng.uniform(0.1, 1.0), t + rng.uniform(0.2, 3.0)))
+        jobs = random_jobs(rng, rng.randint(1, 7), spread=2.0)
         best = fewest_late(jobs)
         for order in ONLINE_ORDERS:
             assert online_late(jobs, order) >= best
@@ -160,10 +161,7 @@ def test_giving_up_the_longest_saves_the_rest_online():
 def test_busy_periods_can_be_solved_apart():
     rng = random.Random(4)
     for _ in range(50):
-        jobs = []
-        for _ in range(rng.randint(2, 12)):
-            t = rng.uniform(0, 6.0)
-            jobs.append(Job(t, rng.uniform(0.1, 1.0), t + rng.uniform(0.2, 2.0)))
+        jobs = random_jobs(rng, rng.randint(2, 12), spread=6.0, slack=2.0)
         assert min_slo_violations(jobs) == fewest_late(jobs)
 
 
