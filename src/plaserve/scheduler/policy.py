@@ -21,9 +21,9 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
   its next chunk. A long request at the head of the long queue with ``C`` chunks left therefore finishes
   its prefill within ``C * (K + 1)`` prefill steps (plus the decode steps between them).
 * **Late requests.** A request that the fewest-late order of the queue would serve late (one that
-  cannot make its SLO, or whose service would make others miss theirs) queues behind the
-  requests that can still meet theirs, but only until it has waited ``late_yield`` SLOs; then it
-  takes its place by deadline (shorts) or aged length (longs) again. Under overload this is what keeps
+  cannot make its SLO, or whose service would make others miss theirs) queues behind the others, but
+  only until it has waited ``late_yield`` SLOs; then it takes its place by deadline (shorts) or aged
+  length (longs) again. A short request whose window has closed keeps its place regardless. Under overload this is what keeps
   a burst's late requests from making the next ones late too.
 * **Decode cadence.** While requests are decoding, at most ``D`` prefill steps without decode tokens
   run in a row, so a token's gap is bounded by ``D + 1`` steps. On the varlen path decodes ride along
