@@ -117,7 +117,11 @@ class Check:
     def fmt(self, x: float | None) -> str:
         if x is None:
             return "-"
-        return f"{x:.2f}x" if self.times else f"{x * 100:+.0f}%"
+        if self.times:
+            return f"{x:.2f}x"
+        # One decimal where whole percent would round a value onto the target and hide which side it is on.
+        close = f"{x * 100:+.0f}" == f"{self.target * 100:+.0f}" and x != self.target
+        return f"{x * 100:+.1f}%" if close else f"{x * 100:+.0f}%"
 
     @property
     def target_text(self) -> str:
