@@ -143,3 +143,43 @@ def test_a_bound_next_to_its_target_shows_which_side_it_is_on():
     lines = {line.split(" | ")[0]: line for line in ratio_lines(res, {"slo_violation_rate": 0.273, "short_ttft_ms": {}})}
     # The bound, 27.3 % against 89.8 %, is -69.6 %: "-70%" would hide that the target is beyond it.
     assert lines["| pla SLO violations vs fcfs"].endswith("| -57% | <= -70% | -69.6% | MISSED (beyond the bound) |")
+
+
+def test_online_schedules_never_beat_the_bound_and_edf_is_exact_when_all_fit():
+    rng = random.Random(3)
+    for _ in range(100):
+        jobs = random_jobs(rng, rng.randint(1, 7), spread=2.0)
+        best = fewest_late(jobs)
+        for order in ONLINE_ORDERS:
+            assert online_late(jobs, order) >= best
+            assert online_late(jobs, order, short_work=0.5) >= best
+        if best == 0:  # preemptive earliest deadline first meets every deadline when any schedule can
+            assert online_late(jobs, "earliest deadline") == 0
+
+
+def test_giving_up_the_longest_saves_the_rest_online():
+    # A long job and three short ones, all due at 1.0: served by deadline alone (ties by arrival) the
+    # long one goes first and every short one is late; given up, it alone is late.
+    jobs = [Job(0.0, 0.9, 1.0)] + [Job(0.01, 0.2, 1.0)] * 3
+    assert online_late(jobs, "earliest deadline") == 3
+    assert online_late(jobs, "earliest deadline, given-up last") == 1 == fewest_late(jobs)
+
+
+def test_busy_periods_can_be_solved_apart():
+    rng = random.Random(4)
+    for _ in range(50):
+        jobs = random_jobs(rng, rng.randint(2, 12), spread=6.0, slack=2.0)
+        assert min_slo_violations(jobs) == fewest_late(jobs)
+
+
+@pytest.mark.parametrize("dual, expected", [(-float("inf"), 1), (None, 1), (-2.5, 2)])
+def test_a_solver_stopped_early_still_gives_a_lower_bound(monkeypatch, dual, expected):
+    # Four jobs due together that cannot all fit (one of them cannot make it even alone). Stopped
+    # before optimality, the solver's bound on the on-time set is all there is to go by.
+    jobs = [Job(0.0, 1.0, 2.0)] * 3 + [Job(0.0, 3.0, 2.0)]
+    assert fewest_late(jobs) == 2
+
+    class Stopped:
+        status, fun, mip_dual_bound = 1, -1.0, dual
+    monkeypatch.setattr(bounds, "milp", lambda *args, **kwargs: Stopped())
+    assert bounds.fewest_late(jobs) == expected  # never above the true answer, 2
