@@ -262,9 +262,9 @@ def test_short_batch_deadline_check_counts_the_decodes_riding_along():
     alone, _ = sched.short_batch_plan()  # 400, 400, 50, 50: 95 ms predicted
     decoders = queue(sim_engine()[0], [A(0.0, 300)] * 80)  # ~8.5 ms of decode tokens in every varlen step
     sched.decoding = lambda: decoders
+    sched.at(0.0)  # a new decision: riders and the late set computed afresh
     riding = sched.rider_time()
     assert riding == pytest.approx(COST.batch_time([(1, 300)] * 80) - COST.c0)
-    sched.at(0.0)  # the late set counts the riders too
     batch, _ = sched.short_batch_plan()
     assert len(alone) == 4 and len(batch) < len(alone)
     assert COST.batch_time([(m.num_prompt_tokens, 0) for m in batch]) + riding <= 0.1

@@ -48,10 +48,11 @@ class Slice:
     load: float  # predicted prefill work / arrival window; the conversation trace's long outputs add decode work
 
 
-def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, max_prompt: int,
-                 max_output: int, seconds: float) -> tuple[list[TraceRequest], float]:
+def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, seconds: float,
+                 max_prompt: int = 4000, max_output: int = 64) -> tuple[list[TraceRequest], float]:
     """The first rows of the slice whose predicted prefill work fills ``load`` of ``seconds``, lengths
-    scaled, arrivals rescaled so the run lasts ``seconds``. Returns the requests and the time scale."""
+    scaled (then capped at the benchmark's ``max_prompt`` and ``max_output``), arrivals rescaled so the
+    run lasts ``seconds``. Returns the requests and the time scale."""
     reqs = load_trace(find_trace(s.file), start=s.start, limit=s.count, length_scale=length_scale,
                       max_prompt_tokens=max_prompt, max_output_tokens=max_output)
     work, n = 0.0, 0
@@ -276,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",")
     out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
     for s in [] if args.starvation_only else slices:
-        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, s.load, max_prompt=4000, max_output=64,
-                                            seconds=seconds)
+        arrivals, time_scale = scaled_slice(s, cost, args.length_scale, s.load, seconds)
         n_long = sum(a.prompt_tokens >= sched.short_threshold for a in arrivals)
         print(f"\n== {s.file} rows {s.start}..{s.start + len(arrivals)}: lengths x{args.length_scale}, outputs capped "
               f"at 64, load {s.load}, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "

@@ -66,7 +66,7 @@ def fcfs_load(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, uti
     lo, hi = 0.05, 1.5
     for _ in range(steps):
         mid = (lo + hi) / 2
-        arrivals, _ = scaled_slice(s, cost, length_scale, mid, max_prompt=4000, max_output=64, seconds=seconds)
+        arrivals, _ = scaled_slice(s, cost, length_scale, mid, seconds)
         _, busy, _ = _simulate(arrivals, config, "fcfs", cost, step_cost or cost, slo)
         lo, hi = (mid, hi) if busy < utilization else (lo, mid)
     return round((lo + hi) / 2, 3)
@@ -79,7 +79,7 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
     ``cost`` sizes the slice, sets the SLOs and is the schedulers' cost model, as the fitted isolated
     prefill model is in ``benchmarks/policies.py``; ``step_cost`` (default: ``cost``) times the steps,
     standing in for the machine."""
-    arrivals, _ = scaled_slice(s, cost, length_scale, s.load, max_prompt=4000, max_output=64, seconds=seconds)
+    arrivals, _ = scaled_slice(s, cost, length_scale, s.load, seconds)
     results: dict[str, dict] = {}
     violations: dict[str, int] = {}
     for pol in policies:

@@ -23,8 +23,8 @@ Guarantees of ``pla`` (``K = max_consecutive_short``, ``D = max_prefill_steps_be
 * **Late requests.** A request that the fewest-late order of the queue would serve late (one that
   cannot make its SLO, or whose service would make others miss theirs) queues behind the others, but
   only until it has waited ``late_yield`` SLOs; then it takes its place by deadline (shorts) or aged
-  length (longs) again. A short request whose window has closed keeps its place regardless. Under overload this is what keeps
-  a burst's late requests from making the next ones late too.
+  length (longs) again. A short request whose window has closed keeps its place regardless. Under
+  overload this is what keeps a burst's late requests from making the next ones late too.
 * **Decode cadence.** While requests are decoding, at most ``D`` prefill steps without decode tokens
   run in a row, so a token's gap is bounded by ``D + 1`` steps. On the varlen path decodes ride along
   every prefill step unless short requests are backed up (:meth:`short_backlog`); then they ride every
@@ -108,6 +108,7 @@ class PlaScheduler(Scheduler):
         self.last_short_dispatch = float("-inf")
         self._now = 0.0  # time of the step being scheduled (set by at())
         self._late: set[Request] | None = None  # late_set(), once computed for this time and queue
+        self._rider_time: float | None = None  # rider_time(), once computed for this time
 
     @property
     def long_chunk_time(self) -> float:
@@ -218,8 +219,10 @@ class PlaScheduler(Scheduler):
         let batches finish just after their members' deadlines. It counts every decoding request even
         where they will skip the batch (a backlog, :meth:`short_backlog`): an upper bound, which kept
         more requests on time in simulated replays than counting only the steps they ride."""
-        decodes = [] if self.config.static_short_batches else self.decoding()
-        return self.cost.batch_time([(1, r.num_tokens) for r in decodes]) - self.cost.c0 if decodes else 0.0
+        if self._rider_time is None:  # asked for by every deadline check of a decision: once per at()
+            decodes = [] if self.config.static_short_batches else self.decoding()
+            self._rider_time = self.cost.batch_time([(1, r.num_tokens) for r in decodes]) - self.cost.c0 if decodes else 0.0
+        return self._rider_time
 
     # --- the window -----------------------------------------------------------------------
     def short_batch_plan(self) -> tuple[list[Request], int | None] | None:
@@ -286,7 +289,7 @@ class PlaScheduler(Scheduler):
     def at(self, now: float) -> None:
         """Set the time the next decision is made at (the deadline checks read it); the late set is
         computed afresh for it."""
-        self._now, self._late = now, None
+        self._now, self._late, self._rider_time = now, None, None
 
     def next_wakeup(self, now: float) -> float | None:
         self.at(now)
