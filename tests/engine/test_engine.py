@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from plaserve import EngineConfig, LLMEngine, SamplingParams
+from plaserve.engine import runner as runner_module
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -206,3 +207,26 @@ def test_offline_n_choices_share_one_prefill(llama_ckpt):
     assert len({tuple(c.token_ids) for c in out[0].outputs}) > 1
     with pytest.raises(ValueError):
         SamplingParams(n=0)
+
+
+def test_a_request_with_non_finite_logits_fails_alone(llama_ckpt, alone, monkeypatch):
+    """One row of the batch's logits turns NaN (as a half-precision overflow would): that request
+    finishes with ``error`` and frees its blocks; the others' tokens are as if it had never been there."""
+    engine = make_engine(llama_ckpt, policy="fcfs")
+    victim = engine.add_request([7, 8, 9, 10], GREEDY)
+    others = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    real = runner_module.apply_penalties
+
+    def poisoned(logits, reqs):  # the runner's hook between the logits and the sampler
+        logits = real(logits, reqs)
+        with torch.inference_mode():
+            logits[[i for i, r in enumerate(reqs) if r is victim]] = float("nan")
+        return logits
+
+    monkeypatch.setattr(runner_module, "apply_penalties", poisoned)
+    while engine.has_unfinished():
+        engine.step()
+    assert victim.finish_reason == "error" and victim.output_token_ids == []
+    for req, p in zip(others, PROMPTS):
+        assert req.output_token_ids == alone[tuple(p)]
+    assert engine.allocator.num_used_blocks == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plaserve.engine.request import Request, SamplingParams
-from plaserve.engine.sampler import _filter_top_k_top_p, apply_penalties, sample
+from plaserve.engine.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
+from plaserve.engine.sampler import _filter_top_k_top_p, apply_penalties, sample, unusable_rows
 
 
 def test_greedy_picks_argmax():
@@ -83,9 +83,37 @@ def test_min_p_drops_unlikely_tokens():
     assert kept.tolist() == [True, True, False, False]  # 0.15 < 0.35 * 0.5
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
                                  dict(min_p=1.5), dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1),
-                                 dict(logit_bias={3: 101.0}), dict(logprobs=21)])
-def test_out_of_range_sampling_params_are_refused(bad):
-    with pytest.raises(ValueError):
+                                 dict(logit_bias={3: 101.0}), dict(logprobs=21),
+                                 dict(temperature=NAN), dict(temperature=INF), dict(temperature=-1e-9),
+                                 dict(top_p=NAN), dict(top_p=0.0), dict(min_p=NAN), dict(presence_penalty=NAN),
+                                 dict(frequency_penalty=-INF), dict(repetition_penalty=NAN),
+                                 dict(repetition_penalty=1e-300), dict(repetition_penalty=INF),
+                                 dict(logit_bias={3: NAN}), dict(logit_bias={-1: 1.0}), dict(seed=2**63),
+                                 dict(seed=2**63 - 2, n=4), dict(seed=-(2**63) - 1), dict(n=0), dict(max_tokens=0),
+                                 dict(stop=[""]), dict(stop_token_ids=[-1]), dict(top_k=-2), dict(temperature="1")])
+def test_out_of_range_sampling_params_are_refused_naming_the_field(bad):
+    with pytest.raises(ParamError) as info:
         SamplingParams(**bad)
+    assert info.value.param in bad  # the field the error names is one that was set
+    assert isinstance(info.value, ValueError)
+
+
+def test_tiny_temperatures_are_greedy():
+    for t in (1e-300, 5e-324, 1e-45, MIN_TEMPERATURE / 2):
+        assert SamplingParams(temperature=t).greedy
+    assert not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    assert SamplingParams(max_tokens=None).max_tokens is None  # as many as the context allows
+
+
+def test_unusable_rows_fail_alone():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [NAN, 1.0, 0.0], [INF, 0.0, 0.0], [-INF, -INF, -INF], [-INF, 0.5, -INF]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)]
+    gen = torch.Generator().manual_seed(0)
+    assert unusable_rows(logits).tolist() == [False, True, True, True, False]
+    assert sample(logits, params, [gen] * 5) == [1, None, None, None, 1]

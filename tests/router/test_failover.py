@@ -21,9 +21,9 @@ from .test_proxy import metric
 GPU = gpu(tbt_s=0.05, max_output_tokens=10)  # 2,000-token prompts: 0.2 s prefill, then 0.45 s of tokens
 
 
-async def outcome(session: aiohttp.ClientSession, url: str) -> str:
+async def outcome(session: aiohttp.ClientSession, url: str, prompt: list[int] | None = None) -> str:
     """'ok' (10 tokens and [DONE]), 'stream_error' (an error event, then [DONE]) or 'http_<status>'."""
-    body = {"prompt": list(range(2000)), "max_tokens": 10, "stream": True}
+    body = {"prompt": prompt or list(range(2000)), "max_tokens": 10, "stream": True, "ignore_eos": True}
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             return f"http_{resp.status}"

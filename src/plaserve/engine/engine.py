@@ -41,9 +41,10 @@ def prefill_left(cost: CostModel, num_prompt_tokens: int, num_computed: int) -> 
 
 
 class BatchRunner(Protocol):
-    """Executes one scheduled batch; returns the sampled token of each sampling item by index."""
+    """Executes one scheduled batch; returns the sampled token of each sampling item by index (None:
+    the model's logits for it were unusable, and that request fails)."""
 
-    def execute(self, batch: ScheduledBatch) -> dict[int, int]: ...
+    def execute(self, batch: ScheduledBatch) -> dict[int, int | None]: ...
 
 DEFAULT_MAX_MODEL_LEN = 16384
 
@@ -204,6 +205,18 @@ class LLMEngine:
         req.metrics.finish_time = self.clock()
         return True
 
+    def reset(self) -> None:
+        """Forget every request and every cached block, keeping the model, its KV tensors and the cost
+        model: how to carry on after a step failed half-way, when neither the scheduler's state nor the
+        content of the blocks that step wrote can be trusted. All KV blocks are free afterwards."""
+        sched = self.config.scheduler
+        self.requests.clear()
+        old = self.allocator
+        self.allocator = BlockAllocator(len(old.blocks), old.block_size, old.enable_prefix_caching)
+        self.allocator.num_cache_hits = old.num_cache_hits  # a counter the metrics export: never goes back
+        self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
+        self.last_batch = None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -280,13 +293,19 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)
 
-    def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int], now: float) -> list[Request]:
+    def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int | None], now: float) -> list[Request]:
         sampled_reqs = []
         for i, token in sampled.items():
             req = batch.items[i].request
             if req.finished:
                 continue
-            self._append_token(req, token, now)
+            if token is None:  # no token could be drawn: this request fails, the batch goes on
+                log.error("request %s: the model's logits are not finite; finishing it with an error",
+                          req.request_id)
+                self.scheduler.finish(req, "error")
+                req.metrics.finish_time = now
+            else:
+                self._append_token(req, token, now)
             sampled_reqs.append(req)
             if req.finished:
                 self.requests.pop(req.request_id, None)
@@ -323,6 +342,7 @@ class LLMEngine:
                 req.output_text = req.output_text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
                 req.stop_reason = stop
                 return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or \
+                req.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,13 +18,55 @@ _ids = itertools.count()
 MAX_LOGPROBS = 20  # most likely tokens reported per position (vLLM's default cap)
 
 
+class ParamError(ValueError):
+    """A sampling parameter out of its range; ``param`` names the field (the HTTP layer reports it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+# Below this temperature a request is greedy (vLLM's epsilon): dividing logits by a tiny temperature
+# would overflow them to inf, and the softmax of inf is NaN.
+MIN_TEMPERATURE = 1e-5
+# The repetition penalty divides (or multiplies) logits: outside this range float32 logits of a real
+# model overflow, and no sensible setting lies there (1 is off; 1.1-1.5 are the usual values).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # what torch.Generator.manual_seed takes without remapping
+
+
+def _check_number(name: str, value: object, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """``value`` must be a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamError(name, f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ParamError(name, f"{name} must be a finite number, got {value}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise ParamError(name, f"{name} must be in {bounds}, got {value}")
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    """``value`` must be an integer (not a bool) in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(name, f"{name} must be an integer, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        bounds = f"at least {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ParamError(name, f"{name} must be {bounds}, got {value}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop (the fields and defaults of vLLM's ``SamplingParams``)."""
+    """How to pick tokens and when to stop (the fields and defaults of vLLM's ``SamplingParams``).
+
+    This is the one place sampling parameters are validated: construction raises :class:`ParamError`
+    (a ``ValueError``) naming the field for anything out of range, NaN and infinities included, so no
+    value that gets past it can make the sampler produce NaN probabilities.
+    """
 
     n: int = 1  # choices per prompt (the offline LLM and the server fan out; an engine request is one)
-    max_tokens: int = 16
-    temperature: float = 1.0
+    max_tokens: int | None = 16  # None: as many as the context has room for
+    temperature: float = 1.0  # below MIN_TEMPERATURE: greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k cut
     seed: int | None = None
@@ -42,39 +85,39 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache reuse)
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
+        _check_int("n", self.n, 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _check_number("temperature", self.temperature, 0.0, math.inf)
+        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, -1)
+        _check_number("min_p", self.min_p, 0.0, 1.0)
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(not -100 <= b <= 100 for b in (self.logit_bias or {}).values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+            _check_number(name, getattr(self, name), -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        if self.seed is not None:
+            # Choice j samples with seed + j: the last one must be in range too.
+            _check_int("seed", self.seed, SEED_RANGE[0], SEED_RANGE[1] - (self.n - 1))
+        for token, bias in (self.logit_bias or {}).items():
+            _check_int("logit_bias", token, 0)
+            _check_number("logit_bias", bias, -100.0, 100.0)
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or positive, got {self.top_k}")
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, MAX_LOGPROBS)
         # Normalise the list-or-scalar fields so the rest of the engine sees tuples.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ParamError("stop", "stop strings must be non-empty strings")
+        stop_ids = tuple(self.stop_token_ids or ())
+        for token in stop_ids:
+            _check_int("stop_token_ids", token, 0)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "stop_token_ids", stop_ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def choices(self) -> list[SamplingParams]:
         """One single-choice copy per choice: choice ``j`` of a seeded request samples with ``seed + j``,

@@ -165,9 +165,10 @@ class ModelRunner:
                             self.kv_caches)
         self.model.compute_logits(hidden[[num_tokens - 1, num_tokens]])
 
-    def execute(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Run ``batch``; returns the sampled token of each item that samples, by item index. For each
-        request that asked for logprobs, the sampled token's are appended to ``output_logprobs`` too."""
+    def execute(self, batch: ScheduledBatch) -> dict[int, int | None]:
+        """Run ``batch``; returns the sampled token of each item that samples, by item index (None where
+        the logits were unusable: see ``sampler.unusable_rows``). For each request that asked for
+        logprobs, the sampled token's are appended to ``output_logprobs`` too."""
         hidden, packed = self._forward(batch)
         for i, it in enumerate(batch.items):
             if it.request.params.prompt_logprobs is not None:
@@ -179,9 +180,10 @@ class ModelRunner:
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
         raw = logits[asked].log_softmax(-1) if asked else None  # a copy: the penalties change logits in place
         tokens = sample(apply_penalties(logits, reqs), [r.params for r in reqs], [r.generator for r in reqs])
-        if asked:
-            entries = token_logprobs(raw, [tokens[j] for j in asked], [reqs[j].params.logprobs for j in asked])
-            for j, entry in zip(asked, entries):
+        if raw is not None and (rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]):
+            entries = token_logprobs(raw[[k for k, _ in rows]], [tokens[j] for _, j in rows],
+                                     [reqs[j].params.logprobs for _, j in rows])
+            for (_, j), entry in zip(rows, entries):
                 reqs[j].output_logprobs.append(entry)
         return dict(zip(packed.sample_items, tokens))
 

@@ -84,15 +84,28 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: f
     return logits
 
 
+def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[N]`` bool: rows no token can be drawn from (a NaN or +inf logit, or every logit -inf).
+
+    -inf alone is normal (banned and filtered tokens); NaN or +inf means the model's numbers broke for
+    that row (an overflow in half precision, say), and ``torch.multinomial`` would raise on the whole
+    batch. One pass over the batch, so the healthy rows pay almost nothing for the check.
+    """
+    return (logits.isnan() | (logits == float("inf"))).any(-1) | (logits == float("-inf")).all(-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[N, vocab]`` (float32)."""
-    out = logits.argmax(-1).tolist()  # greedy rows are done; sampled rows overwrite below
+           generators: list[torch.Generator | None]) -> list[int | None]:
+    """One token per row of ``logits`` ``[N, vocab]`` (float32); None for an unusable row (see
+    :func:`unusable_rows`): that request fails alone, the rest of the batch goes on."""
+    bad = unusable_rows(logits).tolist()
+    out: list[int | None] = logits.argmax(-1).tolist()  # greedy rows are done; sampled rows overwrite below
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-        out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=generators[i]).item())
+        if bad[i]:
+            out[i] = None
+        elif not p.greedy:
+            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
+            out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=generators[i]).item())
     return out
 
 

@@ -29,10 +29,10 @@ def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: headers[k] for k in RESPONSE_HEADERS if k in headers}
 
 
-def error_json(status: int, message: str, code: str | int | None = None) -> bytes:
-    """An OpenAI-style error body."""
+def error_json(status: int, message: str, code: str | None = None) -> bytes:
+    """An OpenAI-style error body (``code`` a string or null, as in OpenAI's API)."""
     return json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None,
-                                 "code": status if code is None else code}}).encode()
+                                 "code": code}}).encode()
 
 
 def sse_error(message: str) -> bytes:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any, Callable
 import aiohttp
 from aiohttp import web
 
+from plaserve import json_body
 from plaserve.cost import CostModel
 from plaserve.model.tokenizer import Tokenizer
 from plaserve.router.config import RouterConfig
@@ -231,9 +231,9 @@ class Router:
         path = request.path
         raw = await request.read()
         try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as e:
-            return self._reply(path, 400, error_json(400, f"request body is not valid JSON: {e}"))
+            body = json_body.loads(raw)
+        except json_body.JsonBodyError as e:
+            return self._reply(path, 400, error_json(400, str(e)))
         if not isinstance(body, dict):
             return self._reply(path, 400, error_json(400, "request body must be a JSON object"))
         est = await self.estimate(path, body)
@@ -443,8 +443,8 @@ class Router:
         url = request.query.get("url")
         if url is None and request.can_read_body:
             try:
-                body = await request.json()
-            except ValueError:
+                body = json_body.loads(await request.read())
+            except json_body.JsonBodyError:
                 return None
             url = body.get("url") if isinstance(body, dict) else None
         return url if isinstance(url, str) and url.startswith(("http://", "https://")) else None

@@ -81,7 +81,8 @@ class Scheduler:
         return now if self.has_unfinished() else None
 
     def finish(self, req: Request, reason: str) -> None:
-        """Mark ``req`` finished (``"stop"``, ``"length"`` or ``"abort"``) and free its blocks."""
+        """Mark ``req`` finished (``"stop"``, ``"length"``, ``"abort"``, or ``"error"`` when no token could
+        be sampled) and free its blocks."""
         if req.finished:
             return
         if req in self.running:

@@ -17,24 +17,26 @@ import dataclasses
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import plaserve
-from plaserve.engine.request import SamplingParams
+from plaserve.engine.request import ParamError, SamplingParams
 from plaserve.server.auth import ApiKeyMiddleware
+from plaserve.server.connections import ErrorGuard
 from plaserve.server.deltas import DeltaTracker
 from plaserve.server.engine_loop import EngineLoop
 from plaserve.server.errors import ApiError, error_body
 from plaserve.server.generation import ClientDisconnected, EventStreamResponse, Generation, until_disconnect
 from plaserve.server.prompts import ModelLimits, check_logit_bias, check_prompt, encode_chat, encode_prompt
-from plaserve.server.protocol import (SamplingFields, StreamOptions, parse_chat_request, parse_completion_request,
+from plaserve.server.protocol import (StreamOptions, parse_chat_request, parse_completion_request,
                                       parse_json_object, parse_tokenize_request)
 from plaserve.server import responses as R
 
@@ -43,11 +45,20 @@ log = logging.getLogger(__name__)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one request may take of the server before its body is parsed."""
+
+    max_body_bytes: int = 32 * 2**20  # a 16k-token prompt as token ids is about 100 KB
+    body_timeout: float = 60.0  # seconds to receive the whole body once the headers are in
+
+
 class _Handlers:
     """Route handlers bound to one engine loop; everything they read from the engine is fixed at start."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str) -> None:
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, http_limits: HttpLimits) -> None:
         engine = engine_loop.engine
+        self.http_limits = http_limits
         self.loop = engine_loop
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
@@ -78,9 +89,30 @@ class _Handlers:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")
 
-    @staticmethod
-    async def _body(request: Request) -> dict[str, Any]:
-        return parse_json_object(await request.body())
+    async def _body(self, request: Request) -> dict[str, Any]:
+        """The JSON object body, read within the limits: a larger body is a 413, a slower one a 408, a
+        client gone while sending it a 499 (logged at debug level: nobody is there to answer)."""
+        limit = self.http_limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body has {declared} bytes; this server takes at most {limit}")
+
+        async def read() -> bytes:
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is larger than {limit} bytes, the most this server takes")
+                chunks.append(chunk)
+            return b"".join(chunks)
+
+        try:
+            raw = await asyncio.wait_for(read(), self.http_limits.body_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {self.http_limits.body_timeout:g} s") from None
+        except ClientDisconnect:
+            raise ApiError(499, "the client disconnected while sending the request") from None
+        return parse_json_object(raw)
 
     def _decode(self, token_id: int) -> str:
         """One token's text, as logprobs report it (special tokens included); cached, since a request
@@ -91,13 +123,12 @@ class _Handlers:
         return text
 
     @staticmethod
-    def _params(s: SamplingFields, max_tokens: int) -> list[SamplingParams]:
+    def _params(sampling: SamplingParams, max_tokens: int) -> list[SamplingParams]:
         """The engine parameters of the ``n`` choices of one prompt (see ``SamplingParams.choices``)."""
-        fields = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "max_tokens"}
         try:
-            return SamplingParams(**fields, max_tokens=max_tokens).choices()
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            return dataclasses.replace(sampling, max_tokens=max_tokens).choices()
+        except ParamError as e:  # min_tokens above the max_tokens the endpoint chose
+            raise ApiError(400, str(e), param=e.param) from None
 
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -152,7 +183,7 @@ class _Handlers:
         finally:
             gen.close()
 
-    async def _stream_completion(self, gen: Generation, rid: str, options: StreamOptions, sampling: SamplingFields,
+    async def _stream_completion(self, gen: Generation, rid: str, options: StreamOptions, sampling: SamplingParams,
                                  echo: list[str] | None) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
@@ -185,7 +216,7 @@ class _Handlers:
         yield R.DONE
 
     async def _stream_chat(self, gen: Generation, rid: str, options: StreamOptions,
-                           sampling: SamplingFields) -> AsyncIterator[str]:
+                           sampling: SamplingParams) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
         usage = self._stream_usage(gen, options, sampling.n)
@@ -263,14 +294,18 @@ class _Handlers:
                              "random_weights": self.server_info["random_weights"]})
 
 
-def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, api_key: str | None = None) -> Starlette:
-    """The Starlette app around ``engine_loop``; it starts the loop on startup and stops it on shutdown."""
-    h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name)
+def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, api_key: str | None = None,
+              http_limits: HttpLimits = HttpLimits()) -> ErrorGuard:
+    """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
+    on startup and stops it on shutdown."""
+    h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name, http_limits)
     count_error: Callable[[int], None] = engine_loop.metrics.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         count_error(exc.status)
+        if exc.status == 499:
+            log.debug("%s %s: %s", request.method, request.url.path, exc.message)
         return exc.response()
 
     async def on_http_exception(request: Request, exc: Exception) -> Response:
@@ -280,6 +315,9 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, 
                             headers=exc.headers)
 
     async def on_error(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientDisconnect):  # the client left: nobody to answer, nothing to report
+            count_error(499)
+            return Response(status_code=499)
         log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
         count_error(500)
         return JSONResponse(error_body(500, f"internal server error: {exc!r}"), status_code=500)
@@ -305,6 +343,6 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, 
         Route("/get_model_info", h.get_model_info, methods=["GET"]),
     ]
     middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, on_reject=count_error)] if api_key else []
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_exception,
-                                         Exception: on_error})
+    return ErrorGuard(Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                                exception_handlers={ApiError: on_api_error, HTTPException: on_http_exception,
+                                                    Exception: on_error}))

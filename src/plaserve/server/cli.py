@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from plaserve.config import EngineConfig
+
+if TYPE_CHECKING:
+    from plaserve.server.app import HttpLimits
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-online-refit", action="store_true",
                    help="keep the cost model fixed (default: refit it on the engine's own prefill timings)")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
+    http = p.add_argument_group("HTTP limits", "what one connection or request may take of the server")
+    http.add_argument("--header-timeout", type=float, default=10.0,
+                      help="seconds a request's headers may take to arrive, from the connection opening or the "
+                           "previous response (default 10)")
+    http.add_argument("--idle-timeout", type=float, default=5.0,
+                      help="seconds an idle keep-alive connection stays open (default 5)")
+    http.add_argument("--body-timeout", type=float, default=60.0,
+                      help="seconds a request body may take to arrive once its headers are in (default 60)")
+    http.add_argument("--max-body-size", default="32MiB", help="largest request body, e.g. 32MiB (default)")
     sched = p.add_argument_group("scheduling", "the step policies' knobs (the length threshold, long chunk size "
                                                "and batch window come from --profile)")
     for flag, type_, help_ in SCHEDULER_FLAGS:
@@ -79,31 +92,63 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**kwargs)
 
 
+def http_limits_from_args(args: argparse.Namespace) -> "HttpLimits":
+    """The :class:`HttpLimits` the flags describe; ValueError for a limit that is not positive."""
+    from plaserve.engine.kv_cache import parse_memory
+    from plaserve.server.app import HttpLimits
+
+    for flag in ("header_timeout", "idle_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
+    size = parse_memory(args.max_body_size, 0)
+    if size < 1:
+        raise ValueError(f"--max-body-size must be positive (got {args.max_body_size})")
+    return HttpLimits(max_body_bytes=size, body_timeout=args.body_timeout)
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    """Build the engine and serve until interrupted. Returns the process exit status."""
+    """Build the engine and serve until interrupted. Returns the process exit status: 0 after a normal
+    shutdown, 1 when the engine failed beyond recovery (for a supervisor to restart the process), 2 for
+    bad arguments."""
     import uvicorn
 
     from plaserve.engine.engine import LLMEngine
     from plaserve.server.app import build_app
+    from plaserve.server.connections import http_protocol
     from plaserve.server.engine_loop import EngineLoop
 
     if args.max_queue is not None and args.max_queue < 1:
         print("plaserve serve: --max-queue must be at least 1", file=sys.stderr)
         return 2
     try:
+        limits = http_limits_from_args(args)
         engine = LLMEngine(engine_config_from_args(args))
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"plaserve serve: {e}", file=sys.stderr)
         return 2
     engine.warm_up()
-    loop = EngineLoop(engine, max_queue=args.max_queue)
+    fatal: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(error: BaseException) -> None:  # from the engine thread: ask uvicorn to shut down
+        fatal.append(error)
+        if server is not None:
+            server.should_exit = True
+
+    loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal)
     name = args.served_model_name or engine.loaded.name
-    app = build_app(loop, served_model_name=name, api_key=args.api_key)
+    app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits)
     if engine.loaded.random_weights:
         print(f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design", file=sys.stderr)
     print(f"plaserve: serving '{name}' on http://{args.host}:{args.port} (policy {loop.snapshot().load['policy']}, "
           f"max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+                            access_log=False, timeout_graceful_shutdown=5, http=http_protocol(args.header_timeout),
+                            timeout_keep_alive=args.idle_timeout)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
+    server.run()
+    if fatal:
+        print(f"plaserve serve: the engine failed beyond recovery ({fatal[0]!r}); exiting with status 1",
+              file=sys.stderr)
+        return 1
     return 0

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Union
+from typing import Callable, Union
 
 from plaserve.engine.engine import LLMEngine
 from plaserve.engine.request import Request, RequestOutput, SamplingParams
@@ -33,7 +33,11 @@ class QueueFullError(Exception):
 
 
 class EngineStoppedError(Exception):
-    """The engine loop is not running (shut down, or it crashed: see the server log)."""
+    """The engine loop is not running (shut down, restarting after a failure, or given up)."""
+
+
+class EngineFailedError(EngineStoppedError):
+    """A step raised: the requests in flight were dropped and the engine restarted (see the log)."""
 
 
 class OutputSink:
@@ -112,10 +116,18 @@ class EngineLoop:
 
     ``max_queue`` bounds the requests waiting to start (in the inbox or the engine's waiting queue);
     :meth:`submit` raises :class:`QueueFullError` beyond it (None: unbounded).
+
+    Supervision: when a step raises, every request in flight (and every submission not yet in the
+    engine) gets :class:`EngineFailedError`, the engine is reset (all KV blocks free, see
+    :meth:`LLMEngine.reset`) and the loop goes on. While that runs :attr:`alive` is False, so ``/health``
+    answers 503 and new requests are refused. More than ``max_restarts`` failures within
+    ``restart_window`` seconds (or a reset that fails) mean the fault is not passing: the loop stops for
+    good and calls ``on_fatal`` (the server then exits non-zero, for its supervisor to restart it).
     """
 
     def __init__(self, engine: LLMEngine, *, max_queue: int | None = None, snapshot_interval: float = 0.01,
-                 max_idle_wait: float = 0.05) -> None:
+                 max_idle_wait: float = 0.05, max_restarts: int = 3, restart_window: float = 60.0,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.snapshot_interval = snapshot_interval
@@ -127,7 +139,13 @@ class EngineLoop:
         self._in_transit = 0  # submissions taken from the inbox, not yet counted in _num_waiting
         self._num_waiting = 0  # the engine's waiting queue length after the last step, held submissions too
         self._stopping = False
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # set when the loop gave up (see on_fatal)
+        self._recovering = False
+        self.max_restarts = max_restarts
+        self.restart_window = restart_window
+        self.on_fatal = on_fatal
+        self.restarts = 0  # failures recovered from, ever
+        self._restart_times: list[float] = []
         self._tracked: dict[str, _Tracked] = {}
         self._held: dict[str, list[Submission]] = {}  # by the request they wait for (Submission.after)
         self._thread: threading.Thread | None = None
@@ -151,8 +169,9 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        """True while the engine thread runs and has not failed."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping and self._error is None
+        """True while the engine thread runs and takes requests (not stopping, recovering or given up)."""
+        return (self._thread is not None and self._thread.is_alive() and not self._stopping
+                and self._error is None and not self._recovering)
 
     # --- called from HTTP handlers (any thread) ----------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -185,26 +204,68 @@ class EngineLoop:
 
     # --- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            while True:
-                commands = self._next_commands()
-                if commands is None:
+        while True:
+            try:
+                self._serve()
+                break  # asked to stop
+            except Exception as e:  # noqa: BLE001 - any failure of a step is survivable once
+                log.exception("engine step failed")
+                if not self._recover(e):
                     break
-                self._apply(commands)
-                # Published as a step starts, with the inbox applied: a router reading it (``GET /load``
-                # gives its age) knows the engine has worked off the backlog since, one second per second.
-                busy = self.engine.has_unfinished()
-                self._publish(force=not busy)
-                if busy:
-                    self._step()
-                    if not self.engine.has_unfinished():
-                        self._publish(force=True)  # going idle: the last step's results
-        except Exception as e:  # the engine's state is unknown now: fail everything, report unhealthy
-            log.exception("engine loop crashed")
-            self._error = e
-        finally:
-            self._fail_all(EngineStoppedError("the engine stopped" if self._error is None
-                                              else f"the engine failed: {self._error!r}"))
+        self._fail_all(EngineStoppedError("the engine stopped" if self._error is None
+                                          else f"the engine failed: {self._error!r}"))
+
+    def _serve(self) -> None:
+        """Take commands and step until asked to stop; a failing step raises out of here."""
+        while True:
+            commands = self._next_commands()
+            if commands is None:
+                return
+            self._apply(commands)
+            # Published as a step starts, with the inbox applied: a router reading it (``GET /load``
+            # gives its age) knows the engine has worked off the backlog since, one second per second.
+            busy = self.engine.has_unfinished()
+            self._publish(force=not busy)
+            if busy:
+                self._step()
+                if not self.engine.has_unfinished():
+                    self._publish(force=True)  # going idle: the last step's results
+
+    def _recover(self, error: Exception) -> bool:
+        """After a failed step: fail what is in flight, reset the engine. False: give up (see class doc)."""
+        with self._cond:
+            self._recovering = True
+        self._fail_all(EngineFailedError(f"the engine failed ({error!r}) and restarted; this request was "
+                                         f"aborted, retry it"), reason="error")
+        now = time.monotonic()
+        self._restart_times = [t for t in self._restart_times if now - t < self.restart_window]
+        fatal: BaseException | None = None
+        if len(self._restart_times) >= self.max_restarts:
+            log.critical("engine failed %d times within %.0f s: giving up", len(self._restart_times) + 1,
+                         self.restart_window)
+            fatal = error
+        else:
+            try:
+                self.engine.reset()
+            except Exception as e:  # noqa: BLE001
+                log.critical("engine reset failed: giving up", exc_info=e)
+                fatal = e
+        if fatal is not None:
+            self._error = fatal
+            with self._cond:
+                self._recovering = False
+            if self.on_fatal is not None:
+                self.on_fatal(fatal)
+            return False
+        self._restart_times.append(now)
+        self.restarts += 1
+        self.metrics.count_restart()
+        self._count_waiting()
+        self._publish(force=True)
+        with self._cond:
+            self._recovering = False
+        log.warning("engine restarted after a failure (%d so far); all KV blocks are free", self.restarts)
+        return True
 
     def _next_commands(self) -> list[_Command] | None:
         """Take the inbox, sleeping while there is nothing at all to do. None: stop."""
@@ -297,14 +358,19 @@ class EngineLoop:
             self.metrics.observe_finish(cls, out.outputs[0].finish_reason or "stop", e2e, len(out.prompt_token_ids), n)
         tracked.sink.put(out)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException, reason: str = "abort") -> None:
+        """Hand ``error`` to every request the loop knows of; the finished ones count as ``reason``."""
         with self._cond:
             pending = [c for c in self._inbox if isinstance(c, Submission)]
             self._inbox = []
+            self._in_transit = 0
         for sub in [*pending, *(sub for held in self._held.values() for sub in held)]:
             sub.sink.put(error)
         self._held.clear()
         for tracked in self._tracked.values():
+            req = tracked.request
+            cls = tracked.length_class or req.length_class
+            self.metrics.observe_finish(cls, reason, None, req.num_prompt_tokens, len(req.output_token_ids))
             tracked.sink.put(error)
         self._tracked.clear()
 

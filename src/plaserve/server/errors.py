@@ -6,10 +6,13 @@ Status codes used by the server (see docs/SERVER.md):
   token id outside the vocabulary, unsupported ``n``, prompt plus ``max_tokens`` over the context).
 * 401 ``authentication_error``: missing or wrong API key.
 * 404 ``not_found_error``: unknown model or route.
-* 413 ``invalid_request_error`` / ``context_length_exceeded``: the prompt alone does not fit the model.
+* 408 ``invalid_request_error``: the request body did not arrive in time.
+* 413 ``invalid_request_error``: the body is larger than the server takes, or (``context_length_exceeded``)
+  the prompt alone does not fit the model.
 * 422 ``invalid_request_error``: a required field is missing or a field has the wrong JSON type.
 * 429 ``rate_limit_error``: the request queue is full (with ``Retry-After``).
-* 503 ``service_unavailable``: the engine has stopped.
+* 500 ``internal_server_error``: the model's logits for a request were not finite (that request alone fails).
+* 503 ``service_unavailable``: the engine is not running, or is restarting after a failure.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -50,6 +54,7 @@ class ApiError(Exception):
 
 
 def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape; ``type`` follows from the status."""
+    """OpenAI's error shape; ``type`` follows from the status, ``code`` is a string or null as in
+    OpenAI's API (``context_length_exceeded``, ``model_not_found``, ...)."""
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+                      "param": param, "code": code}}

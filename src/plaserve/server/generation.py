@@ -83,6 +83,9 @@ class Generation:
             while True:
                 if isinstance(item, BaseException):
                     raise _as_api_error(item)
+                if item.finished and item.outputs[0].finish_reason == "error":
+                    raise ApiError(500, "the model's logits for this request were not finite (NaN or infinity), "
+                                        "so no token could be sampled; the request failed")
                 batch[index] = item
                 if item.finished:
                     self.final[index] = item

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 LENGTH_CLASSES = ("short", "long")
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: no token could be sampled, or the engine failed
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -41,6 +41,8 @@ class ServerMetrics:
                                      ["length_class"], registry=r)
         self.generation_tokens = Counter("plaserve_generation_tokens", "Generated tokens of finished requests",
                                          ["length_class"], registry=r)
+        self.engine_restarts = Counter("plaserve_engine_restarts", "Times the engine loop recovered from a "
+                                       "failed step (requests in flight failed, KV cache reset)", registry=r)
         # Create every labelled child up front, so each series exists (at 0) from the first scrape.
         for cls in LENGTH_CLASSES:
             for reason in FINISH_REASONS:
@@ -59,13 +61,17 @@ class ServerMetrics:
     def observe_finish(self, length_class: str, reason: str, e2e: float | None, prompt_tokens: int,
                        output_tokens: int) -> None:
         self.requests.labels(length_class, reason).inc()
-        if e2e is not None and reason != "abort":
+        if e2e is not None and reason not in ("abort", "error"):
             self.e2e.labels(length_class).observe(max(e2e, 0.0))
         self.prompt_tokens.labels(length_class).inc(prompt_tokens)
         self.generation_tokens.labels(length_class).inc(output_tokens)
 
     def count_error(self, status: int) -> None:
         self.http_errors.labels(str(status)).inc()
+
+    def count_restart(self) -> None:
+        """The engine loop recovered from a failed step (see ``EngineLoop``)."""
+        self.engine_restarts.inc()
 
     def render(self) -> bytes:
         """The text exposition format."""

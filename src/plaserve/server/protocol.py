@@ -12,42 +12,16 @@ ignoring them would answer a different question than the one asked.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from plaserve.engine.request import MAX_LOGPROBS
+from plaserve import json_body
+from plaserve.engine.request import MAX_LOGPROBS, ParamError, SamplingParams
 from plaserve.server.errors import ApiError
 
 Prompt = str | list[int]
 _MISSING = object()
 MAX_N = 128  # choices per prompt (OpenAI's limit for chat)
-
-
-@dataclass(frozen=True)
-class SamplingFields:
-    """The sampling and stopping fields shared by completions and chat (``max_tokens`` None: the
-    endpoint's default), and ``n``, the choices to generate per prompt."""
-
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: dict[int, float] | None = field(default=None, hash=False)
-    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely ones'
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo)
 
 
 @dataclass(frozen=True)
@@ -66,7 +40,7 @@ class CompletionRequest:
     prompts: tuple[Prompt, ...]
     stream: bool
     stream_options: StreamOptions
-    sampling: SamplingFields
+    sampling: SamplingParams  # max_tokens None: the endpoint's default
     echo: bool = False  # the prompt leads each choice's text (and its logprobs, with logprobs)
 
 
@@ -79,7 +53,7 @@ class ChatRequest:
     stream: bool
     stream_options: StreamOptions
     add_generation_prompt: bool
-    sampling: SamplingFields
+    sampling: SamplingParams  # max_tokens None: the endpoint's default
 
 
 @dataclass(frozen=True)
@@ -95,11 +69,12 @@ class TokenizeRequest:
 
 # --- the JSON body ------------------------------------------------------------------------------
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; malformed JSON or a non-object is a 400."""
+    """The request body as a JSON object; JSON that is malformed or outside the limits of
+    :func:`plaserve.json_body.loads` (depth, digits, Unicode), or that is not an object, is a 400."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        body = json_body.loads(raw)
+    except json_body.JsonBodyError as e:
+        raise ApiError(400, str(e)) from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -171,20 +146,22 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 # --- shared fields ------------------------------------------------------------------------------
+MAX_ID_DIGITS = 18  # a token id in a logit_bias key: more digits cannot be an id (and cost int() time)
+
+
 def _parse_logit_bias(value: Any) -> dict[int, float] | None:
-    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) to biases in [-100, 100]."""
+    """OpenAI's ``logit_bias``: token ids (JSON object keys, so strings) to numbers; the ranges are
+    :class:`SamplingParams`' to check."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise _type_error("logit_bias", "an object of token ids to numbers", value)
     bias = {}
     for key, b in value.items():
-        if not (isinstance(key, str) and key.lstrip("-").isdigit()):
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not (key.isascii() and key.lstrip("-").isdigit() and len(key) <= MAX_ID_DIGITS):
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias")
         if not isinstance(b, (int, float)) or isinstance(b, bool):
             raise _type_error("logit_bias", "an object of token ids to numbers", value)
-        if not -100 <= b <= 100:
-            raise ApiError(400, f"logit_bias values must be in [-100, 100], got {b}", param="logit_bias")
         bias[int(key)] = float(b)
     return bias or None
 
@@ -207,10 +184,20 @@ def _chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
+def sampling_params(**fields: Any) -> SamplingParams:
+    """``SamplingParams(**fields)``, its range errors as 400s naming the field."""
+    try:
+        return SamplingParams(**fields)
+    except ParamError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+
+
 def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",),
-                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingFields:
-    """Sampling fields, with range checks that match :class:`plaserve.SamplingParams` (400 on bad values).
-    ``logprobs``, ``prompt_logprobs``: the endpoint's own reading of its logprobs fields."""
+                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The sampling fields of a body as :class:`SamplingParams` (``max_tokens`` None where the body sets
+    none: the endpoint decides). Only JSON types are checked here (422); every range is checked by
+    ``SamplingParams`` itself (400 naming the field). ``logprobs``, ``prompt_logprobs``: the endpoint's
+    own reading of its logprobs fields."""
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
@@ -219,20 +206,11 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
                 raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
             break
     n = _opt_int(body, "n", 1)
-    if not 1 <= n <= MAX_N:
+    if not 1 <= n <= MAX_N:  # an API limit, like --max-queue: the engine takes any n
         raise ApiError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
     best_of = _opt_int(body, "best_of", n)
     if best_of != n:  # best_of > n would rank by cumulative logprob, which plaserve does not compute
         raise ApiError(400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of")
-    temperature = _opt_float(body, "temperature", 1.0)
-    if temperature < 0:
-        raise ApiError(400, f"'temperature' must be non-negative, got {temperature}", param="temperature")
-    top_p = _opt_float(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    top_k = _opt_int(body, "top_k", -1)
-    if top_k < -1:
-        raise ApiError(400, f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
     stop_value = body.get("stop")
     if stop_value is None:
         stop: tuple[str, ...] = ()
@@ -242,40 +220,25 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
         stop = tuple(stop_value)
     else:
         raise _type_error("stop", "a string or an array of strings", stop_value)
-    if any(s == "" for s in stop):
-        raise ApiError(400, "stop strings must not be empty", param="stop")
     stop_ids = body.get("stop_token_ids")
-    penalties = {name: _opt_float(body, name, default) for name, default in
-                 (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("min_p", 0.0))}
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not -2 <= penalties[name] <= 2:
-            raise ApiError(400, f"'{name}' must be in [-2, 2], got {penalties[name]}", param=name)
-    if penalties["repetition_penalty"] <= 0:
-        raise ApiError(400, f"'repetition_penalty' must be positive, got {penalties['repetition_penalty']}",
-                       param="repetition_penalty")
-    if not 0 <= penalties["min_p"] <= 1:
-        raise ApiError(400, f"'min_p' must be in [0, 1], got {penalties['min_p']}", param="min_p")
-    logit_bias = _parse_logit_bias(body.get("logit_bias"))
-    min_tokens = _opt_int(body, "min_tokens", 0)
-    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-        raise ApiError(400, f"'min_tokens' must be in [0, max_tokens], got {min_tokens}", param="min_tokens")
-    return SamplingFields(
+    floats = {name: _opt_float(body, name, default) for name, default in
+              (("temperature", 1.0), ("top_p", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+               ("repetition_penalty", 1.0), ("min_p", 0.0))}
+    return sampling_params(
         n=n,
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
+        top_k=_opt_int(body, "top_k", -1),
         seed=_opt_int(body, "seed"),
         stop=stop,
         stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
         ignore_eos=_opt_bool(body, "ignore_eos", False),
         include_stop_str_in_output=_opt_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
-        min_tokens=min_tokens,
+        min_tokens=_opt_int(body, "min_tokens", 0),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        logit_bias=logit_bias,
-        **penalties,
+        logit_bias=_parse_logit_bias(body.get("logit_bias")),
+        **floats,
     )
 
 

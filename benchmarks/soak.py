@@ -1,0 +1,257 @@
+"""Soak: a long mixed replay against one server and against a 2-worker router, watching for leaks.
+
+Two targets run side by side, each with its own open-loop client: ``plaserve serve`` alone, and
+``plaserve route`` in front of two ``plaserve serve`` workers (all real processes on 127.0.0.1, the
+embedded default model). Arrivals follow a Poisson process; prompt and output lengths come from a real
+trace (scaled). The mix is what a server meets in a day: streamed and whole completions, chat, ``n`` = 2,
+clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
+that must get a 4xx.
+
+Every ``--sample-every`` seconds it records, for each process: resident memory (VmRSS), open file
+descriptors and (workers) KV blocks in use. At the end it waits for the servers to go idle and reads
+their KV blocks again: any block still held is a leak. The report gives each series' least-squares
+slope after ``--warm-up`` seconds (MiB/hour, descriptors/hour), the first and last samples, and the
+request outcomes; a 5xx or a failed connection counts as an error.
+
+Usage::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/soak.py --duration 1800 --out out/soak   # 30 minutes
+    PYTHONPATH=src .venv/bin/python benchmarks/soak.py --duration 60 --sample-every 10   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from plaserve.bench.trace import load_trace
+from plaserve.router.launcher import RouterProcess
+from plaserve.server.launcher import PlaserveProcess, ServerProcess
+
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
+SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--policy", "pla"]
+BAD_BODIES = [  # each must be refused with a 4xx
+    b'{"prompt": "Hello", "max_tokens": 8, "temperature": NaN}',
+    b'{"prompt": "Hello", "max_tokens": 8, "repetition_penalty": 1e-300}',
+    b'{"prompt": "Hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"prompt": "Hi \\ud800", "max_tokens": 4}',
+    b'{"prompt": "Hi", "max_tokens": ' + b"9" * 5000 + b"}",
+    b'{"prompt": "Hi", "seed": 18446744073709551616}',
+]
+
+
+def read_proc(pid: int) -> tuple[float, int]:
+    """(resident MiB, open file descriptors) of process ``pid``."""
+    with open(f"/proc/{pid}/status") as f:
+        rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return rss_kb / 1024, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of ``(seconds, value)`` points, per hour (0 for fewer than two)."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx, my = sum(t for t, _ in points) / n, sum(v for _, v in points) / n
+    var = sum((t - mx) ** 2 for t, _ in points)
+    return 0.0 if var == 0 else 3600 * sum((t - mx) * (v - my) for t, v in points) / var
+
+
+@dataclass
+class Target:
+    """One system under soak: where its clients send requests, and the processes to watch."""
+
+    name: str
+    url: str
+    processes: dict[str, PlaserveProcess]  # role -> process
+    workers: list[str]  # URLs whose /load KV blocks are read
+    outcomes: dict[str, int] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+
+    def count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+async def kv_used(session: aiohttp.ClientSession, worker: str) -> int:
+    async with session.get(f"{worker}/load") as r:
+        return (await r.json())["kv"]["used_blocks"]
+
+
+async def one_request(session: aiohttp.ClientSession, target: Target, rng: random.Random, prompt_len: int,
+                      output_len: int) -> None:
+    """Send one request of a randomly chosen kind and count its outcome."""
+    kind = rng.choices(["stream", "chat", "abandon", "n2", "bad"], weights=[55, 15, 10, 10, 10])[0]
+    prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
+    try:
+        if kind == "bad":
+            async with session.post(f"{target.url}/v1/completions", data=rng.choice(BAD_BODIES),
+                                    headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+                target.count("refused_4xx" if 400 <= r.status < 500 else f"bad_got_{r.status}")
+            return
+        if kind == "chat":
+            body = {"messages": [{"role": "user", "content": "x" * prompt_len}], "max_tokens": output_len}
+            async with session.post(f"{target.url}/v1/chat/completions", json=body) as r:
+                await r.read()
+                target.count("ok" if r.status == 200 else f"http_{r.status}")
+            return
+        body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": kind != "n2",
+                "n": 2 if kind == "n2" else 1, "temperature": 0.8}
+        async with session.post(f"{target.url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                await r.read()
+                target.count(f"http_{r.status}")
+                return
+            if kind == "n2":
+                await r.read()
+                target.count("ok")
+                return
+            chunks = 0
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    chunks += 1
+                    if b'"error"' in line:
+                        target.count("stream_error")
+                        return
+                    if kind == "abandon" and chunks >= 3:
+                        target.count("abandoned")
+                        return  # leaving the block closes the connection mid-stream
+            target.count("ok")
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        target.count(f"client_error_{type(e).__name__}")
+
+
+async def drive(target: Target, arrivals: list[tuple[int, int]], rate: float, duration: float, seed: int) -> None:
+    """Poisson arrivals at ``rate`` per second for ``duration`` seconds, lengths cycling over ``arrivals``."""
+    rng = random.Random(seed)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        tasks: set[asyncio.Task] = set()
+        end, i = time.monotonic() + duration, 0
+        while time.monotonic() < end:
+            prompt_len, output_len = arrivals[i % len(arrivals)]
+            i += 1
+            task = asyncio.ensure_future(one_request(session, target, rng, prompt_len, output_len))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            await asyncio.sleep(rng.expovariate(rate))
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+async def sample(targets: list[Target], start: float, every: float, stop: asyncio.Event) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while True:
+            t = time.monotonic() - start
+            for target in targets:
+                row: dict[str, Any] = {"t": t}
+                for role, proc in target.processes.items():
+                    row[f"{role}_rss_mib"], row[f"{role}_fds"] = read_proc(proc.proc.pid)
+                row["kv_used"] = sum([await kv_used(session, w) for w in target.workers])
+                target.samples.append(row)
+            print(f"[{t:7.0f} s] " + "; ".join(
+                f"{tg.name}: " + ", ".join(f"{k} {v:.0f}" for k, v in tg.samples[-1].items() if k != "t")
+                for tg in targets), file=sys.stderr, flush=True)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), every)
+            if stop.is_set():
+                return
+
+
+async def idle_kv(target: Target, timeout: float = 120.0) -> int:
+    """KV blocks still held once every request has finished (waits up to ``timeout``)."""
+    async with aiohttp.ClientSession() as session:
+        deadline = time.monotonic() + timeout
+        while True:
+            loads = []
+            for w in target.workers:
+                async with session.get(f"{w}/load") as r:
+                    loads.append(await r.json())
+            if all(x["num_requests"] == 0 for x in loads) or time.monotonic() > deadline:
+                return sum(x["kv"]["used_blocks"] for x in loads)
+            await asyncio.sleep(0.5)
+
+
+def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
+    lines = [f"Soak of {wall / 60:.1f} min at {args.rate} requests/s per target (Poisson), warm-up "
+             f"{args.warm_up:.0f} s excluded from the slopes; trace {TRACE.name}, lengths x{args.length_scale}.", "",
+             "| target | process | RSS first / last (MiB) | RSS slope (MiB/h) | fds first / last | fds slope (/h) |",
+             "|---|---|---|---|---|---|"]
+    for tg in targets:
+        warm = [s for s in tg.samples if s["t"] >= args.warm_up] or tg.samples
+        for role in tg.processes:
+            rss = [(s["t"], s[f"{role}_rss_mib"]) for s in warm]
+            fds = [(s["t"], s[f"{role}_fds"]) for s in warm]
+            lines.append(f"| {tg.name} | {role} | {tg.samples[0][f'{role}_rss_mib']:.0f} / "
+                         f"{tg.samples[-1][f'{role}_rss_mib']:.0f} | {slope_per_hour(rss):+.1f} | "
+                         f"{tg.samples[0][f'{role}_fds']} / {tg.samples[-1][f'{role}_fds']} | "
+                         f"{slope_per_hour(fds):+.1f} |")
+    lines += ["", "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle |",
+              "|---|---|---|---|---|"]
+    for tg in targets:
+        errors = sum(v for k, v in tg.outcomes.items() if k.startswith(("http_5", "client_error", "bad_got", "stream")))
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(tg.outcomes.items()))
+        lines.append(f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors} | {tg.samples[-1]['leaked']} |")
+    return "\n".join(lines)
+
+
+async def soak(targets: list[Target], args: argparse.Namespace) -> float:
+    trace = load_trace(str(TRACE), limit=2000)
+    arrivals = [(max(1, min(1500, int(a.prompt_tokens * args.length_scale))), max(1, min(32, a.output_tokens)))
+                for a in trace]
+    start = time.monotonic()
+    stop = asyncio.Event()
+    sampler = asyncio.ensure_future(sample(targets, start, args.sample_every, stop))
+    await asyncio.gather(*(drive(tg, arrivals, args.rate, args.duration, args.seed + i)
+                           for i, tg in enumerate(targets)))
+    stop.set()
+    await sampler
+    for tg in targets:
+        tg.samples[-1]["leaked"] = await idle_kv(tg)
+    return time.monotonic() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
+    p.add_argument("--rate", type=float, default=0.8, help="requests per second per target (default 0.8)")
+    p.add_argument("--sample-every", type=float, default=60.0, help="seconds between samples (default 60)")
+    p.add_argument("--warm-up", type=float, default=300.0, help="seconds left out of the slopes (default 300)")
+    p.add_argument("--length-scale", type=float, default=0.25, help="trace prompt lengths times this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="directory for soak.json and soak.md")
+    args = p.parse_args()
+    with contextlib.ExitStack() as stack:
+        single = stack.enter_context(ServerProcess(SERVER_ARGS))
+        w1, w2 = (stack.enter_context(ServerProcess(SERVER_ARGS)) for _ in range(2))
+        router = stack.enter_context(RouterProcess([w1.url, w2.url]))
+        targets = [Target("one server", single.url, {"server": single}, [single.url]),
+                   Target("router + 2 workers", router.url, {"router": router, "worker 1": w1, "worker 2": w2},
+                          [w1.url, w2.url])]
+        wall = asyncio.run(soak(targets, args))
+    table = report(targets, args, wall)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "soak.md").write_text(table + "\n")
+        (out / "soak.json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "targets": [
+            {"name": tg.name, "outcomes": tg.outcomes, "samples": tg.samples} for tg in targets]}, indent=1))
+    leaked = sum(tg.samples[-1]["leaked"] for tg in targets)
+    return 0 if leaked == 0 and not math.isnan(wall) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
