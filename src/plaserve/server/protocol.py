@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible endpoints, parsed and checked into frozen dataclasses.
 
-Parsing here is about the *shape* of a request: JSON types, required fields, value ranges that need no
-model. Checks that need the model (prompt length, vocabulary) live in :mod:`plaserve.server.prompts`.
+Parsing here is about the *shape* of a request: JSON types and required fields. The ranges of sampling
+fields are :class:`plaserve.SamplingParams`' to check (its errors name the field, and the endpoint's
+alias of it: ``max_completion_tokens``, ``top_logprobs``); a few are API limits only the HTTP layer has
+(``n`` up to 128, ``best_of`` equal to ``n``). Checks that need the model (prompt length, vocabulary)
+live in :mod:`plaserve.server.prompts`.
 
 Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
 report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plaserve import json_body
-from plaserve.engine.request import MAX_LOGPROBS, ParamError, SamplingParams
+from plaserve.engine.request import ParamError, SamplingParams
 from plaserve.server.errors import ApiError
 
 Prompt = str | list[int]
@@ -166,17 +169,9 @@ def _parse_logit_bias(value: Any) -> dict[int, float] | None:
     return bias or None
 
 
-def _logprobs_count(body: dict, name: str) -> int | None:
-    """A count of most likely tokens to report (``logprobs`` of completions, ``top_logprobs`` of chat)."""
-    k = _opt_int(body, name)
-    if k is not None and not 0 <= k <= MAX_LOGPROBS:
-        raise ApiError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
-    return k
-
-
 def _chat_logprobs(body: dict) -> int | None:
     """Chat asks with ``logprobs: true`` and, optionally, ``top_logprobs: k`` (which needs the former)."""
-    top = _logprobs_count(body, "top_logprobs")
+    top = _opt_int(body, "top_logprobs")
     if not _opt_bool(body, "logprobs", False):
         if top:
             raise ApiError(400, "'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
@@ -184,26 +179,29 @@ def _chat_logprobs(body: dict) -> int | None:
     return top or 0
 
 
-def sampling_params(**fields: Any) -> SamplingParams:
-    """``SamplingParams(**fields)``, its range errors as 400s naming the field."""
+def sampling_params(aliases: dict[str, str] | None = None, **fields: Any) -> SamplingParams:
+    """``SamplingParams(**fields)``, its range errors as 400s naming the field as the body calls it
+    (``aliases``: a ``SamplingParams`` field to the body's name of it)."""
     try:
         return SamplingParams(**fields)
     except ParamError as e:
-        raise ApiError(400, str(e), param=e.param) from None
+        name = (aliases or {}).get(e.param, e.param)
+        message = str(e) if name == e.param else f"{name}: {e}"
+        raise ApiError(400, message, param=name) from None
 
 
 def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",),
-                   logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                   logprobs: int | None = None, prompt_logprobs: int | None = None,
+                   aliases: dict[str, str] | None = None) -> SamplingParams:
     """The sampling fields of a body as :class:`SamplingParams` (``max_tokens`` None where the body sets
     none: the endpoint decides). Only JSON types are checked here (422); every range is checked by
     ``SamplingParams`` itself (400 naming the field). ``logprobs``, ``prompt_logprobs``: the endpoint's
     own reading of its logprobs fields."""
-    max_tokens = None
+    max_tokens, aliases = None, dict(aliases or {})
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
         if max_tokens is not None:
-            if max_tokens < 1:
-                raise ApiError(400, f"'{name}' must be at least 1, got {max_tokens}", param=name)
+            aliases["max_tokens"] = name
             break
     n = _opt_int(body, "n", 1)
     if not 1 <= n <= MAX_N:  # an API limit, like --max-queue: the engine takes any n
@@ -225,6 +223,7 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
               (("temperature", 1.0), ("top_p", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                ("repetition_penalty", 1.0), ("min_p", 0.0))}
     return sampling_params(
+        aliases,
         n=n,
         max_tokens=max_tokens,
         top_k=_opt_int(body, "top_k", -1),
@@ -343,7 +342,7 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     if "prompt" not in body:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
     stream, stream_options = _parse_stream(body)
-    echo, logprobs = _opt_bool(body, "echo", False), _logprobs_count(body, "logprobs")
+    echo, logprobs = _opt_bool(body, "echo", False), _opt_int(body, "logprobs")
     if _opt_str(body, "suffix"):
         raise ApiError(400, "suffix is not supported", param="suffix")
     _refuse_unsupported(body, chat=False)
@@ -361,7 +360,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
                        stream_options=stream_options,
                        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
                        sampling=parse_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens"),
-                                               logprobs=_chat_logprobs(body)))
+                                               logprobs=_chat_logprobs(body), aliases={"logprobs": "top_logprobs"}))
 
 
 def parse_tokenize_request(body: dict) -> TokenizeRequest:
