@@ -58,8 +58,13 @@ def test_a_silent_connection_is_closed_after_the_header_timeout(server: ServerPr
         assert time.monotonic() - start >= TIMEOUT * 0.8
 
 
-def test_trickled_headers_are_cut_off(server: ServerProcess) -> None:
+@pytest.mark.parametrize("after_a_response", [False, True])
+def test_trickled_headers_are_cut_off(server: ServerProcess, after_a_response: bool) -> None:
     with connect(server) as sock:
+        if after_a_response:  # the timer starts again with the next request's first byte
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(TIMEOUT * 0.7)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         start = time.monotonic()
         closed = False

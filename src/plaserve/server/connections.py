@@ -63,9 +63,9 @@ class ErrorGuard:
 
 
 class _HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose next request's headers take longer than
-    ``header_timeout`` seconds to arrive, counted from when the connection opened or its previous
-    response completed."""
+    """uvicorn's h11 protocol, closing a connection whose request headers take longer than
+    ``header_timeout`` seconds to arrive: counted from the connection opening (for its first request)
+    or from the first byte of a later one. The wait between requests is uvicorn's keep-alive timeout's."""
 
     header_timeout: float = 10.0
 
@@ -77,9 +77,10 @@ class _HeaderTimeoutProtocol(H11Protocol):
         super().connection_made(transport)
         self._arm_header_timer()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_header_timer()
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and self.cycle is not None and self.cycle.response_complete:
+            self._arm_header_timer()  # the first bytes of the next request on a kept-alive connection
+        super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
@@ -88,18 +89,14 @@ class _HeaderTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
         if self.transport.is_closing():
             return
-        # The cycle now current: a new request replaces it (a pipelined one may have already).
+        # The cycle now current: the request whose headers complete replaces it.
         self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout, self.cycle)
 
     def _on_header_timeout(self, waiting_after: RequestResponseCycle | None) -> None:
         self._header_timer = None
-        if self.cycle is not waiting_after:  # a request's headers arrived since
-            return
-        if waiting_after is not None and not waiting_after.response_complete:  # a request is being served
+        if self.cycle is not waiting_after:  # the request's headers arrived in time
             return
         if not self.transport.is_closing():
             try:

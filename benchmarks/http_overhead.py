@@ -1,0 +1,115 @@
+"""What serving over HTTP costs the engine: the same requests offline (``LLMEngine`` stepped in this
+process, nothing else running) and through ``plaserve serve`` (streamed and whole responses, one
+aiohttp client in this process).
+
+The server's engine runs on a thread of the HTTP process: whatever Python the event loop runs
+(parsing, SSE chunks, JSON) holds the GIL the engine thread needs between its torch calls, and decode
+steps of a small model are mostly such host work. This measures how much: decode tokens/s at a few
+batch sizes, and a burst of mixed prompts, as HTTP / offline ratios (1.0 = no cost).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/http_overhead.py [--dtype bfloat16] [--out out/http.json]
+
+Same engine settings on both sides (``--policy fcfs``: no batch window, so the two see the same
+batches); the run prints the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from plaserve import EngineConfig, LLMEngine, SamplingParams
+from plaserve.server.launcher import ServerProcess
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: int
+
+
+def cases(seed: int = 0) -> list[Case]:
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(10, 500) for _ in range(n)]  # noqa: E731
+    out = [Case(f"decode batch {b}", [ids(32) for _ in range(b)], 128) for b in (1, 16, 64)]
+    out.append(Case("burst of 48 mixed", [ids(rng.choice([64, 256, 1024, 2048])) for _ in range(48)], 32))
+    return out
+
+
+def engine_args(dtype: str) -> dict:
+    return dict(kv_cache_memory="1GiB", max_model_len=4096, policy="fcfs", dtype=dtype)
+
+
+def offline(engine: LLMEngine, case: Case) -> float:
+    """Wall seconds to run ``case`` to completion in ``engine``."""
+    params = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    for p in case.prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+async def over_http(url: str, case: Case, stream: bool) -> float:
+    async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
+        body = {"prompt": prompt, "max_tokens": case.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": stream}
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            data = await r.read()
+            assert r.status == 200, data[:300]
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(session, p) for p in case.prompts))
+        return time.perf_counter() - start
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--reps", type=int, default=3, help="best of this many runs per case and side")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    load_before = os.getloadavg()[0]
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_args(args.dtype)))
+    engine.warm_up()
+    flags = ["--kv-cache-memory", "1GiB", "--max-model-len", "4096", "--policy", "fcfs", "--dtype", args.dtype]
+    rows = []
+    with ServerProcess(flags) as server:
+        for case in cases():
+            tokens = len(case.prompts) * case.max_tokens
+            asyncio.run(over_http(server.url, case, True))  # warm-up of the shapes on both sides
+            offline(engine, case)
+            best = {"offline": 1e9, "stream": 1e9, "whole": 1e9}
+            for _ in range(args.reps):  # interleaved, so both sides see the same background load
+                best["offline"] = min(best["offline"], offline(engine, case))
+                best["stream"] = min(best["stream"], asyncio.run(over_http(server.url, case, True)))
+                best["whole"] = min(best["whole"], asyncio.run(over_http(server.url, case, False)))
+            rows.append({"case": case.name, "output_tokens": tokens, **{k: round(v, 3) for k, v in best.items()}})
+            print(f"{case.name}: {best}", file=sys.stderr, flush=True)
+    print(f"dtype {engine.dtype}, load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}\n")
+    print("| case | offline s | HTTP streamed s | HTTP whole s | streamed / offline | whole / offline | "
+          "offline tok/s | streamed tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['offline']:.3f} | {r['stream']:.3f} | {r['whole']:.3f} | "
+              f"{r['stream'] / r['offline']:.2f} | {r['whole'] / r['offline']:.2f} | "
+              f"{r['output_tokens'] / r['offline']:.0f} | {r['output_tokens'] / r['stream']:.0f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"dtype": str(engine.dtype), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
