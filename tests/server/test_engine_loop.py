@@ -101,4 +101,4 @@ def test_choices_wait_for_the_first_to_share_its_prefill():
     assert first_tokens["c-1"] > first_tokens["c-0"] and first_tokens["c-2"] > first_tokens["c-0"]
     # 100 prompt tokens: 6 full blocks of 16 are shared with each later choice.
     assert engine.allocator.num_cache_hits == 2 * 96
-    assert engine.allocator.num_used_blocks == 0 and not loop._held and not engine.has_unfinished()
+    assert engine.allocator.num_used_blocks == 0 and engine.num_waiting == 0 and not engine.has_unfinished()

@@ -115,6 +115,8 @@ class LLMEngine:
         self.runner = runner
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
+        # Later choices of a prompt waiting for its first choice's first token, by the first's id.
+        self._held: dict[str, list[Request]] = {}
         self.last_batch: ScheduledBatch | None = None
         self.num_steps = 0
         self.num_preemptions = 0
@@ -156,8 +158,14 @@ class LLMEngine:
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Validate and queue a request (a text prompt or token ids). Raises ValueError on bad input."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    after: str | None = None) -> Request:
+        """Validate and queue a request (a text prompt or token ids). Raises ValueError on bad input.
+
+        ``after``: the id of a request with the same prompt (an earlier choice of it). Where that pays
+        (:meth:`shares_prefill`) this one waits until that one has its first token, and then finds the
+        prompt's blocks in the prefix cache: ``n`` choices cost one prefill, not ``n``. Its TTFT still
+        counts from its own arrival."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -174,8 +182,23 @@ class LLMEngine:
             req.generator = (torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None
                              else self.generator)
         self.requests[req.request_id] = req
-        self.scheduler.add(req)
+        leader = self.requests.get(after) if after is not None else None
+        if leader is not None and not leader.output_token_ids and self.shares_prefill(len(token_ids), params):
+            self._held.setdefault(leader.request_id, []).append(req)
+        else:
+            self.scheduler.add(req)
         return req
+
+    def _release(self, request_id: str) -> None:
+        """Queue the choices held for ``request_id``: it has its first token, or it is gone."""
+        for req in self._held.pop(request_id, []):
+            if not req.finished:
+                self.scheduler.add(req)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not started yet: the scheduler's waiting queue and the held choices."""
+        return len(self.scheduler.waiting) + sum(map(len, self._held.values()))
 
     def shares_prefill(self, num_prompt_tokens: int, params: SamplingParams) -> bool:
         """Whether a prompt's later choices gain by waiting for its first choice's first token: then its
@@ -201,7 +224,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
-        self.scheduler.finish(req, "abort")
+        self.scheduler.finish(req, "abort")  # a held request holds no blocks: it is only marked finished
+        self._release(request_id)
         req.metrics.finish_time = self.clock()
         return True
 
@@ -211,6 +235,7 @@ class LLMEngine:
         content of the blocks that step wrote can be trusted. All KV blocks are free afterwards."""
         sched = self.config.scheduler
         self.requests.clear()
+        self._held.clear()
         old = self.allocator
         self.allocator = BlockAllocator(len(old.blocks), old.block_size, old.enable_prefix_caching)
         self.allocator.num_cache_hits = old.num_cache_hits  # a counter the metrics export: never goes back
@@ -218,7 +243,7 @@ class LLMEngine:
         self.last_batch = None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._held)
 
     def next_wakeup(self) -> float | None:
         """Clock time at which :meth:`step` will next have work (None: nothing is unfinished)."""
@@ -251,6 +276,9 @@ class LLMEngine:
             cls = self.length_class(req)
             backlog[cls] += prefill_left(self.cost, req.num_prompt_tokens, req.num_computed_tokens)
             (running if req.block_table else queued)[cls] += 1
+        for held in self._held.values():  # no backlog of their own: they will find their prompt cached
+            for req in held:
+                queued[self.length_class(req)] += 1
         kv = self.allocator
         return {
             "backlog_s": backlog,
@@ -307,6 +335,7 @@ class LLMEngine:
             else:
                 self._append_token(req, token, now)
             sampled_reqs.append(req)
+            self._release(req.request_id)  # its prompt's blocks are in the prefix cache now
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return sampled_reqs

@@ -36,22 +36,14 @@ class LLM:
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
-        # One engine request per choice. A prompt's later choices join once its first has its first
-        # token, when that lets them reuse its prompt blocks from the prefix cache (one prefill for n).
+        # One engine request per choice; a prompt's later choices wait for its first one's prompt
+        # blocks (see LLMEngine.add_request: one prefill for n choices).
         groups: list[list[Request]] = []
-        held: dict[int, tuple[Prompt, list[SamplingParams]]] = {}  # by group: the choices still to add
         for prompt, sp in zip(prompts, sampling_params):
             first, *rest = sp.choices()
             leader = self.engine.add_request(prompt, first)
-            groups.append([leader])
-            if rest and self.engine.shares_prefill(leader.num_prompt_tokens, first):
-                held[len(groups) - 1] = (prompt, rest)
-            else:
-                groups[-1] += [self.engine.add_request(prompt, c) for c in rest]
-        while held or any(not r.finished for group in groups for r in group):
-            for i in [i for i in held if groups[i][0].output_token_ids or groups[i][0].finished]:
-                prompt, rest = held.pop(i)
-                groups[i] += [self.engine.add_request(prompt, c) for c in rest]
+            groups.append([leader, *(self.engine.add_request(prompt, c, after=leader.request_id) for c in rest)])
+        while self.engine.has_unfinished():
             self.engine.step()
             if self.engine.last_batch is None:  # e.g. short requests inside their batch window
                 self.engine.wait_for_work()

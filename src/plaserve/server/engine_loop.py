@@ -61,10 +61,8 @@ class OutputSink:
 class Submission:
     """A validated request on its way to the engine. ``arrival_time`` is on the engine's clock.
 
-    ``after``: the id of a request with the same prompt (another choice of the same HTTP request). This
-    one is held back until that one has its first token, so that its prompt's KV blocks are in the
-    prefix cache and only the last, partial block is computed again: ``n`` choices cost one prefill,
-    not ``n``. Its TTFT still counts from ``arrival_time``.
+    ``after``: the id of the first choice of the same prompt, for the engine to hold this one until
+    that one's prompt blocks are cached (see ``LLMEngine.add_request``).
     """
 
     request_id: str
@@ -137,7 +135,7 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
         self._in_transit = 0  # submissions taken from the inbox, not yet counted in _num_waiting
-        self._num_waiting = 0  # the engine's waiting queue length after the last step, held submissions too
+        self._num_waiting = 0  # the engine's waiting requests after the last step (held choices too)
         self._stopping = False
         self._error: BaseException | None = None  # set when the loop gave up (see on_fatal)
         self._recovering = False
@@ -147,7 +145,6 @@ class EngineLoop:
         self.restarts = 0  # failures recovered from, ever
         self._restart_times: list[float] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._held: dict[str, list[Submission]] = {}  # by the request they wait for (Submission.after)
         self._thread: threading.Thread | None = None
         self._last_publish = 0.0
         self._snapshot = self._take_snapshot(pending=0)
@@ -281,11 +278,7 @@ class EngineLoop:
     def _apply(self, commands: list[_Command]) -> None:
         for cmd in commands:
             if isinstance(cmd, Submission):
-                leader = self._tracked.get(cmd.after) if cmd.after is not None else None
-                if leader is not None and leader.tokens_seen == 0:
-                    self._held.setdefault(cmd.after, []).append(cmd)
-                else:
-                    self._add(cmd)
+                self._add(cmd)
             else:
                 self._abort(cmd.request_id)
         self._count_waiting()
@@ -293,28 +286,19 @@ class EngineLoop:
     def _add(self, sub: Submission) -> None:
         try:
             req = self.engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id,
-                                          arrival_time=sub.arrival_time)
+                                          arrival_time=sub.arrival_time, after=sub.after)
         except ValueError as e:  # validated on the HTTP side already; this is the safety net
             sub.sink.put(e)
-            self._release(sub.request_id)
             return
         self._tracked[req.request_id] = _Tracked(req, sub.sink)
 
-    def _release(self, request_id: str) -> None:
-        """Add the submissions held for ``request_id`` (its first token is out, or it is gone)."""
-        for sub in self._held.pop(request_id, []):
-            self._add(sub)
-
     def _count_waiting(self) -> None:
         with self._cond:
-            self._num_waiting = len(self.engine.scheduler.waiting) + sum(map(len, self._held.values()))
+            self._num_waiting = self.engine.num_waiting
             self._in_transit = 0
 
     def _abort(self, request_id: str) -> None:
-        for held in self._held.values():
-            held[:] = [sub for sub in held if sub.request_id != request_id]  # never added: just dropped
         tracked = self._tracked.pop(request_id, None)
-        self._release(request_id)
         if tracked is None or not self.engine.abort(request_id):
             return
         req = tracked.request
@@ -326,7 +310,6 @@ class EngineLoop:
         now = self.clock()
         for out in outputs:
             self._deliver(out, now)
-            self._release(out.request_id)  # its prompt's blocks are in the prefix cache now
         self._count_waiting()
         with self._cond:
             if self.engine.last_batch is None and not self._inbox and not self._stopping:
@@ -364,9 +347,8 @@ class EngineLoop:
             pending = [c for c in self._inbox if isinstance(c, Submission)]
             self._inbox = []
             self._in_transit = 0
-        for sub in [*pending, *(sub for held in self._held.values() for sub in held)]:
+        for sub in pending:
             sub.sink.put(error)
-        self._held.clear()
         for tracked in self._tracked.values():
             req = tracked.request
             cls = tracked.length_class or req.length_class

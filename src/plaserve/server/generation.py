@@ -42,17 +42,14 @@ class Generation:
         consecutive prompts is one prompt's choices; 429 when the queue is full, 503 when the engine is
         not running, 400 for more requests than the queue can hold.
 
-        A prompt's other choices wait for its first one's first token and then find its blocks cached
-        (see ``Submission.after``), where that pays (``LLMEngine.shares_prefill``)."""
+        A prompt's other choices name its first (``Submission.after``): the engine holds them until
+        that one's prompt blocks are cached, where that pays."""
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         arrival = engine_loop.clock()  # TTFT counts from here, including time in the inbox
-        engine = engine_loop.engine
 
         def leader(i: int) -> str | None:
-            first = i - i % n
-            shares = i != first and engine.shares_prefill(len(prompts[i]), params[i])
-            return f"{request_id}-{first}" if shares else None
+            return f"{request_id}-{i - i % n}" if i % n else None
 
         subs = [Submission(f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i), after=leader(i))
                 for i, (ids, p) in enumerate(zip(prompts, params))]
