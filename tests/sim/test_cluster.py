@@ -52,7 +52,7 @@ def test_every_request_finishes_exactly_once(router, scheduler):
     assert all(r.ok and r.ttft is not None and r.e2e >= r.ttft >= 0 for r in result.records)
     assert sum(s.requests for s in result.instances) == len(requests)
     # The router's books are closed: nothing in flight, nothing held, no engine work left.
-    assert not sim.held and all(not w.inflight for w in sim.workers)
+    assert not sim.dispatcher.held and all(not w.inflight for w in sim.workers)
     assert all(not inst.engine.has_unfinished() and not inst.inbox for inst in sim.instances)
 
 

@@ -1,5 +1,6 @@
 """Placing requests on workers: the policy's choice, the requests it holds back, the accounting.
 
+:class:`DispatchCore` holds the rules and the books, shared with the cluster simulator;
 :meth:`Dispatcher.acquire` returns a worker for a request with the request already counted in that
 worker's backlog (the accounting happens in the same step as the decision, so the next decision sees
 it). When the policy holds a request (``pla``, long requests while every worker is busy enough), the
@@ -14,7 +15,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Generic, Protocol, TypeVar
 
 from plaserve.router.policies import Job, Policy
 from plaserve.router.pools import LONG
@@ -27,29 +28,26 @@ class NoWorkerError(Exception):
     """No worker in rotation can take the request."""
 
 
-@dataclass
-class _Held:
+class Holdable(Protocol):
+    """A request the policy may hold: its job and its id in the workers' books."""
+
     job: Job
     rid: int
-    future: asyncio.Future
 
 
-class Dispatcher:
-    """Chooses workers through ``policy`` and keeps the held requests (module docstring)."""
+H = TypeVar("H", bound=Holdable)
 
-    def __init__(self, policy: Policy, workers: Callable[[], list[Worker]], *, fallback_wakeup_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+
+class DispatchCore(Generic[H]):
+    """The decisions and the accounting of dispatching, with no clock and no event loop of its own:
+    :class:`Dispatcher` runs it for the router on asyncio, the cluster simulator on its simulated
+    clock, so both place requests by the same rules. ``held`` is the FIFO of requests the policy holds.
+    """
+
+    def __init__(self, policy: Policy, workers: Callable[[], list[Worker]]) -> None:
         self.policy = policy
         self._workers = workers
-        self._clock = clock
-        self._fallback = fallback_wakeup_s  # re-check held requests at least this often (breakers reopen by time)
-        self._held: list[_Held] = []
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-
-    @property
-    def num_held(self) -> int:
-        return sum(not h.future.done() for h in self._held)
+        self.held: list[H] = []
 
     def available(self, now: float) -> list[Worker]:
         """Workers that may take new requests now, in registration order."""
@@ -62,25 +60,79 @@ class Dispatcher:
         worker.start(rid, cost, job.total_tokens, job.length_class, now)
         return cost
 
-    async def acquire(self, job: Job, rid: int, exclude: frozenset[str] = frozenset()) -> tuple[Worker, float]:
-        """A worker for ``job`` (not one of ``exclude``) and the job's cost there; may wait.
-
-        Raises :class:`NoWorkerError` when no worker can take it. A retry (``exclude`` non-empty) is
-        never held: it has waited once already.
-        """
-        now = self._clock()
+    def place(self, item: H, now: float, exclude: frozenset[str] = frozenset()) -> tuple[Worker, float] | None:
+        """Place ``item`` (committed: the worker and its cost there), or hold it (None: appended to
+        :attr:`held`). Raises :class:`NoWorkerError` when no worker but those in ``exclude`` is up. A
+        retry (``exclude`` non-empty) is never held: it has waited once already."""
         workers = [w for w in self.available(now) if w.url not in exclude]
         if not workers:
             raise NoWorkerError("no worker available")
         if exclude:
-            worker = self.policy.choose_now(job, workers, now)
-            return worker, self.commit(job, worker, rid, now)
-        # A long request does not overtake the ones already waiting.
-        worker = None if (job.length_class == LONG and self.num_held) else self.policy.choose(job, workers, now)
-        if worker is not None:
-            return worker, self.commit(job, worker, rid, now)
+            worker = self.policy.choose_now(item.job, workers, now)
+        elif item.job.length_class == LONG and self.held:  # a long request does not overtake held ones
+            worker = None
+        else:
+            worker = self.policy.choose(item.job, workers, now)
+        if worker is None:
+            self.held.append(item)
+            return None
+        return worker, self.commit(item.job, worker, item.rid, now)
+
+    def release(self, now: float) -> tuple[list[tuple[H, Worker, float]], float | None]:
+        """Place every held request that may go now: returns the placements (committed) and the
+        seconds until the policy expects the next one may go (None: it cannot tell, or none is held).
+        Raises :class:`NoWorkerError` (the held requests dropped) when no worker is up."""
+        if not self.held:
+            return [], None
+        workers = self.available(now)
+        if not workers:
+            self.held = []
+            raise NoWorkerError("no worker available")
+        placed = []
+        while self.held:
+            choice = self.policy.next_held([h.job for h in self.held], workers, now)
+            if choice is None:
+                break
+            i, worker = choice
+            item = self.held.pop(i)
+            placed.append((item, worker, self.commit(item.job, worker, item.rid, now)))
+        return placed, (self.policy.next_wakeup(workers, now) if self.held else None)
+
+
+@dataclass
+class _Held:
+    job: Job
+    rid: int
+    future: asyncio.Future
+
+
+class Dispatcher:
+    """The router's dispatcher: :class:`DispatchCore` with held requests waiting on futures, and a
+    task that releases them (module docstring)."""
+
+    def __init__(self, policy: Policy, workers: Callable[[], list[Worker]], *, fallback_wakeup_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.core: DispatchCore[_Held] = DispatchCore(policy, workers)
+        self.policy = policy
+        self._clock = clock
+        self._fallback = fallback_wakeup_s  # re-check held requests at least this often (breakers reopen by time)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def num_held(self) -> int:
+        return sum(not h.future.done() for h in self.core.held)
+
+    def available(self, now: float) -> list[Worker]:
+        return self.core.available(now)
+
+    async def acquire(self, job: Job, rid: int, exclude: frozenset[str] = frozenset()) -> tuple[Worker, float]:
+        """A worker for ``job`` (not one of ``exclude``) and the job's cost there; may wait while the
+        policy holds it. Raises :class:`NoWorkerError` when no worker can take it."""
         held = _Held(job, rid, asyncio.get_running_loop().create_future())
-        self._held.append(held)
+        placed = self.core.place(held, self._clock(), exclude)
+        if placed is not None:
+            return placed
         self.wake()
         try:
             return await held.future  # cancelled with the request if the client goes away
@@ -93,31 +145,23 @@ class Dispatcher:
 
     def wake(self) -> None:
         """Something changed that may let a held request go (nothing to do while none is held)."""
-        if self._held:
+        if self.core.held:
             self._wake.set()
 
     def release(self) -> float | None:
         """Place every held request that may go now; returns seconds until it is worth looking again."""
-        self._held = [h for h in self._held if not h.future.done()]
-        if not self._held:
+        self.core.held = [h for h in self.core.held if not h.future.done()]  # their clients left
+        held = self.core.held
+        try:
+            placed, eta = self.core.release(self._clock())
+        except NoWorkerError as e:
+            for h in held:
+                h.future.set_exception(e)
             return None
-        now = self._clock()
-        workers = self.available(now)
-        if not workers:
-            for h in self._held:
-                h.future.set_exception(NoWorkerError("no worker available"))
-            self._held = []
+        for h, worker, cost in placed:
+            h.future.set_result((worker, cost))
+        if not self.core.held:
             return None
-        while self._held:
-            placed = self.policy.next_held([h.job for h in self._held], workers, now)
-            if placed is None:
-                break
-            i, worker = placed
-            h = self._held.pop(i)
-            h.future.set_result((worker, self.commit(h.job, worker, h.rid, now)))
-        if not self._held:
-            return None
-        eta = self.policy.next_wakeup(workers, now)
         return self._fallback if eta is None else min(eta, self._fallback)
 
     async def _run(self) -> None:
@@ -142,7 +186,7 @@ class Dispatcher:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for h in self._held:
+        for h in self.core.held:
             if not h.future.done():
                 h.future.set_exception(NoWorkerError("the router is shutting down"))
-        self._held = []
+        self.core.held = []

@@ -48,7 +48,7 @@ from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine, prefill_left
 from plaserve.engine.request import RequestOutput, SamplingParams
 from plaserve.router.config import RouterConfig
-from plaserve.router.dispatch import Dispatcher
+from plaserve.router.dispatch import DispatchCore
 from plaserve.router.policies import Job, Policy, make_policy
 from plaserve.router.pools import LONG, SHORT
 from plaserve.router.workers import LoadReport, Worker
@@ -216,11 +216,8 @@ class ClusterSim:
         self._by_worker = {id(inst.worker): inst for inst in self.instances}
         self.policy: Policy = make_policy(config.router)
         self.now = 0.0
-        # The proxy's dispatcher does the accounting of a placement (policy hook, then the worker's
-        # books); the simulator keeps the held FIFO itself, without asyncio.
-        self.dispatcher = Dispatcher(self.policy, lambda: self.workers,
-                                     fallback_wakeup_s=config.router.health.load_interval_s, clock=lambda: self.now)
-        self.held: list[_Pending] = []
+        # The router's dispatching rules and books, run on the simulated clock.
+        self.dispatcher: DispatchCore[_Pending] = DispatchCore(self.policy, lambda: self.workers)
         self.max_model_len = self.instances[0].engine.max_model_len
         self._vocab = self.instances[0].engine.model_config.vocab_size
         self._tokens: torch.Tensor | None = None  # every prompt's random ids, drawn at once in run()
@@ -259,17 +256,14 @@ class ClusterSim:
         p = _Pending(rid, Job((req.prompt_tokens,), cls, t), req,
                      prompt=self._tokens[self._offsets[rid]:self._offsets[rid] + req.prompt_tokens].tolist())
         self.outstanding += 1
-        workers = self.dispatcher.available(t)
-        # As Dispatcher.acquire: a long request does not overtake the ones already held.
-        worker = None if (cls == LONG and self.held) else self.policy.choose(p.job, workers, t)
-        if worker is None:
-            self.held.append(p)
+        placed = self.dispatcher.place(p, t)
+        if placed is None:
             self._schedule_release(t)
         else:
-            self._dispatch(p, worker, t)
+            self._dispatch(p, *placed, t)
 
-    def _dispatch(self, p: _Pending, worker: Worker, t: float) -> None:
-        p.worker_cost = self.dispatcher.commit(p.job, worker, p.rid, t)
+    def _dispatch(self, p: _Pending, worker: Worker, cost: float, t: float) -> None:
+        p.worker_cost = cost
         inst = self._by_worker[id(worker)]
         inst.inbox.append(p)
         inst.prompt_tokens += p.request.prompt_tokens
@@ -278,17 +272,10 @@ class ClusterSim:
     def _release(self, t: float) -> None:
         """Dispatcher.release on the simulated clock: place every held request that may go now."""
         self._release_at = None
-        if not self.held:
-            return
-        workers = self.dispatcher.available(t)
-        while self.held:
-            placed = self.policy.next_held([h.job for h in self.held], workers, t)
-            if placed is None:
-                break
-            i, worker = placed
-            self._dispatch(self.held.pop(i), worker, t)
-        if self.held:
-            eta = self.policy.next_wakeup(workers, t)
+        placed, eta = self.dispatcher.release(t)
+        for p, worker, cost in placed:
+            self._dispatch(p, worker, cost, t)
+        if self.dispatcher.held:
             fallback = self.config.router.health.load_interval_s
             self._schedule_release(t + (fallback if eta is None else min(eta, fallback)))
 
@@ -356,7 +343,7 @@ class ClusterSim:
                 self.records.append(self._record(p, out))
                 self.outstanding -= 1
         self._schedule_step(inst, t)
-        if self.held:
+        if self.dispatcher.held:
             self._release(t)
 
     def _record(self, p: _Pending, out: RequestOutput | None, error: str | None = None) -> RequestRecord:
@@ -428,13 +415,13 @@ class ClusterSim:
                 i += 1
             elif prio == POLL:
                 self._poll(t)
-                if self.held:
+                if self.dispatcher.held:
                     self._release(t)
                 self._next_poll = t + hc.health.load_interval_s
                 self._push(self._next_poll, POLL, None)
             elif prio == TICK:
                 self.policy.tick(self.dispatcher.available(t), t)
-                if self.held:
+                if self.dispatcher.held:
                     self._release(t)
                 self._push(t + hc.pools.period_s, TICK, None)
             elif prio == RELEASE:
@@ -459,7 +446,7 @@ class ClusterSim:
             for rid, p in inst.tracked.items():
                 req = inst.engine.requests.get(rid)
                 self.records.append(self._record(p, RequestOutput.of(req) if req is not None else None, UNFINISHED))
-        for p in self.held:
+        for p in self.dispatcher.held:
             self.records.append(self._record(p, None, UNFINISHED))
         for r in never_arrived:
             self.records.append(self._record(_Pending(-1, Job((r.prompt_tokens,), SHORT, r.arrival), r), None,
