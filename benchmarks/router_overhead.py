@@ -1,7 +1,7 @@
 """Router overhead: latency and throughput through ``plaserve route`` against calling a backend directly.
 
 Setup, all on loopback: one instant backend (a fake GPU with a zero cost model and one output token,
-:mod:`plaserve.bench.fake_gpu`) in a child process; the router (``plaserve route --policy P``, one
+:mod:`plaserve.testing.fake_gpu`) in a child process; the router (``plaserve route --policy P``, one
 worker) in another child process; the client (aiohttp, one connection pool) in this process.
 
 * **latency**: requests one at a time (after a warm-up), alternating between the backend directly and
@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from plaserve.bench.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
+from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
 from plaserve.router.launcher import RouterProcess  # noqa: E402
 from plaserve.server.launcher import free_port  # noqa: E402

@@ -2,11 +2,11 @@
 
 Setup, all on loopback:
 
-* **workers**: ``--workers`` fake GPUs (:mod:`plaserve.bench.fake_gpu`) in one child process, each a
+* **workers**: ``--workers`` fake GPUs (:mod:`plaserve.testing.fake_gpu`) in one child process, each a
   FCFS single-server prefill queue that sleeps the cost model's time per prompt, then streams its
   tokens 20 ms apart (sleeping costs no CPU, so 8 "GPUs" fit on a 2-core machine). They report
   ``/load`` in plaserve's shape. Cost model: Qwen2.5-32B on an H100
-  (:func:`plaserve.sim.hardware.analytic_cost`: g1 = 1.05e-4 s/token, g2 = 2.9e-9 s/pair,
+  (:func:`plaserve.cost.analytic_cost`: g1 = 1.05e-4 s/token, g2 = 2.9e-9 s/pair,
   c0 = 19 ms; a 512-token prompt takes 73 ms, a 7,437-token one 0.88 s).
 * **router**: ``plaserve route --policy P`` in a child process, one run per policy.
 * **load**: rows ``[start, start + count)`` of ``azure_code_2023.csv`` replayed open-loop by
@@ -44,14 +44,14 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from plaserve.bench.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
+from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.bench.policies import find_trace  # noqa: E402
 from plaserve.bench.report import summarize  # noqa: E402
 from plaserve.bench.slo import TtftSlo  # noqa: E402
 from plaserve.bench.trace import TraceRequest, load_trace  # noqa: E402
 from plaserve.router.launcher import RouterProcess  # noqa: E402
 from plaserve.server.launcher import free_port  # noqa: E402
-from plaserve.sim.hardware import analytic_cost  # noqa: E402
+from plaserve.cost import analytic_cost  # noqa: E402
 
 POLICIES = ("round_robin", "least_requests", "least_tokens", "power_of_two", "pla")
 # pla without holding long requests in the router: what the hold horizon contributes.

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/seed_reproduction.py --short-threshold 512 ...  # the engine default threshold
 
 Every number here comes from the simulator driven by an analytic cost model (FLOP and byte counts
-for Qwen2.5-32B on one H100, :mod:`plaserve.sim.hardware`), not from a GPU.
+for Qwen2.5-32B on one H100, :mod:`plaserve.cost`), not from a GPU.
 
 Setup, fixed before looking at results:
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from plaserve.bench.fake_gpu import FakeGpuConfig, FakeGpuServer
+from plaserve.testing.fake_gpu import FakeGpuConfig, FakeGpuServer
 from plaserve.cost import CostModel
 from plaserve.router.config import HealthConfig, RouterConfig
 from plaserve.router.proxy import Router, serve

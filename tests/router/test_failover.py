@@ -10,7 +10,7 @@ import signal
 
 import aiohttp
 
-from plaserve.bench.fake_gpu import FakeGpuServer, spawn
+from plaserve.testing.fake_gpu import FakeGpuServer, spawn
 from plaserve.router.config import RouterConfig
 from plaserve.router.proxy import Router, serve
 from plaserve.server.launcher import free_port

@@ -8,7 +8,7 @@ Which cost model prices a request on a worker, first that applies:
 2. the ``cost_model`` the worker reports in ``GET /load`` (plaserve workers), per worker, so workers
    on different GPUs are priced differently;
 3. :func:`default_cost_model`: the analytic model of Llama-2-7B on an H100
-   (:func:`plaserve.sim.hardware.analytic_cost`).
+   (:func:`plaserve.cost.analytic_cost`).
 
 The short/long threshold comes from the profile, else the first worker that reports one in ``/load``,
 else :data:`DEFAULT_SHORT_THRESHOLD`.
@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from plaserve.cost import CostModel
-from plaserve.sim.hardware import analytic_cost
+from plaserve.cost import CostModel, analytic_cost
 
 DEFAULT_SHORT_THRESHOLD = 512  # the engine's default (SchedulerConfig.short_threshold)
 

@@ -10,7 +10,7 @@ right-padded to static shapes, the per-step token budget, and a label that every
   model on a device; the engine settings are those ``plaserve serve`` uses on that device (for a CPU
   profile: a 2 GiB KV cache of the embedded model, varlen short batches); or
 * ``analytic:MODEL@GPU`` (e.g. ``analytic:qwen2.5-32b@H100``): the cost model from FLOP and byte counts
-  (:func:`plaserve.sim.hardware.analytic_cost`) with settings chosen by the same rules that
+  (:func:`plaserve.cost.analytic_cost`) with settings chosen by the same rules that
   calibration applies (:mod:`plaserve.profile`). Where calibration measures something the analytic
   model cannot predict, a stated assumption stands in (:data:`GPU_ASSUMPTIONS`). Reports built on an
   analytic profile say ``analytic`` wherever the profile is named.
@@ -26,11 +26,11 @@ from plaserve.config import EngineConfig
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.profile import Profile, choose_long_chunk_size, choose_short_threshold, choose_window
 from plaserve.scheduler.buckets import MIN_BUCKET
-from plaserve.sim.hardware import HARDWARE, MODELS, analytic_cost
+from plaserve.cost import HARDWARE, MODELS, analytic_cost
 
 ANALYTIC_PREFIX = "analytic:"
 
-#: Device memory (bytes) of the GPUs in :data:`plaserve.sim.hardware.HARDWARE`.
+#: Device memory (bytes) of the GPUs in :data:`plaserve.cost.HARDWARE`.
 GPU_MEMORY = {"H100": 80 * 2**30, "H200": 141 * 10**9, "A100": 80 * 2**30}
 
 

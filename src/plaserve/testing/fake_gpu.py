@@ -16,7 +16,7 @@ length class, the cost model, the short threshold) and ``/tokenize``; always ``G
 (busy seconds, requests, prefill tokens; for reports). Streams open at once (headers, and for chat the
 ``role`` chunk) before the prefill, as plaserve and vLLM do.
 
-Run several in one process: ``python -m plaserve.bench.fake_gpu --ports 8001 8002 --g1 .. --g2 ..``.
+Run several in one process: ``python -m plaserve.testing.fake_gpu --ports 8001 8002 --g1 .. --g2 ..``.
 """
 
 from __future__ import annotations
@@ -306,14 +306,14 @@ class FakeGpuServer:
 
 
 def spawn(ports: list[int], config: FakeGpuConfig, startup_timeout: float = 30.0) -> subprocess.Popen:
-    """Run fake GPUs on ``ports`` in a child process (``python -m plaserve.bench.fake_gpu``) and wait
+    """Run fake GPUs on ``ports`` in a child process (``python -m plaserve.testing.fake_gpu``) and wait
     until every one answers ``/v1/models``. Stop it with ``terminate()`` or kill it to emulate a crash."""
     import httpx
 
     import plaserve
 
     c = config
-    cmd = [sys.executable, "-m", "plaserve.bench.fake_gpu", "--ports", *map(str, ports), "--g1", repr(c.cost_model.g1),
+    cmd = [sys.executable, "-m", "plaserve.testing.fake_gpu", "--ports", *map(str, ports), "--g1", repr(c.cost_model.g1),
            "--g2", repr(c.cost_model.g2), "--g3", repr(c.cost_model.g3), "--c0", repr(c.cost_model.c0),
            "--short-threshold", str(c.short_threshold), "--tbt", repr(c.tbt_s), "--model-name", c.model_name]
     if c.max_output_tokens is not None:
@@ -354,7 +354,7 @@ async def _serve_forever(ports: list[int], config: FakeGpuConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m plaserve.bench.fake_gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m plaserve.testing.fake_gpu", description=__doc__.split("\n")[0])
     p.add_argument("--ports", type=int, nargs="+", required=True)
     p.add_argument("--g1", type=float, required=True, help="seconds per prompt token")
     p.add_argument("--g2", type=float, required=True, help="seconds per causal query-key pair")

@@ -1,0 +1,2 @@
+"""Test doubles shipped with plaserve, for tests and benchmark scripts: :mod:`plaserve.testing.fake_gpu`
+(an OpenAI-compatible server that fakes a GPU's timing with a cost model)."""
