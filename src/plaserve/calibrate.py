@@ -23,6 +23,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from plaserve.plotting import pyplot
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, Sample, fit, fit_quality
 from plaserve.engine.engine import LLMEngine
@@ -163,10 +164,9 @@ def calibrate(engine: LLMEngine, budget_s: float = 240.0, held_out: int = 12, se
 
 def plot_profile(profile: Profile, path: str) -> None:
     """Measured vs predicted prefill time (log-log), training and held-out points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     cost = profile.cost_model
     fig, ax = plt.subplots(figsize=(6, 5))

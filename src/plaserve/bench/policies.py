@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+from plaserve.plotting import pyplot
 from plaserve.bench.bounds import slice_bounds
 from plaserve.bench.offline import PolicyRun, SloRule, fit_cost_model, run_policy, to_record, with_policy
 from plaserve.bench.report import RequestRecord, format_table, summarize
@@ -210,10 +211,9 @@ def _prefill_steps_between(run: PolicyRun, t0: float, t1: float) -> int:
 
 
 def plot_cdfs(all_records: dict[str, list[RequestRecord]], title: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

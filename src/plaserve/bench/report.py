@@ -118,10 +118,9 @@ def write_run(out_dir: str, summary: dict, run: dict, records: Sequence[RequestR
 def plot(records: Sequence[RequestRecord], out_dir: str) -> list[str]:
     """Write ``ttft_cdf.png`` (TTFT CDF by class) and ``latency_over_time.png`` (TTFT and end-to-end
     latency against arrival time) to ``out_dir``; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; also safe when called from a server or a test
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return []
 
     os.makedirs(out_dir, exist_ok=True)
     colors = {"short": "tab:blue", "long": "tab:red"}

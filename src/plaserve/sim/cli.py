@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from plaserve.plotting import pyplot
 from plaserve.bench.report import format_table, plot, write_run
 from plaserve.bench.trace import TraceRequest, load_trace
 from plaserve.router.config import POLICIES as ROUTER_POLICIES
@@ -103,12 +104,11 @@ def instance_table(result: SimResult) -> str:
     return "\n".join(lines)
 
 
-def plot_instances(result: SimResult, out_dir: str) -> str:
-    """``instance_busy.png``: each instance's busy share of the run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot_instances(result: SimResult, out_dir: str) -> str | None:
+    """``instance_busy.png``: each instance's busy share of the run (None: no matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return None
 
     fig, ax = plt.subplots(figsize=(max(4, 0.3 * len(result.instances) + 2), 3))
     ax.bar([s.index for s in result.instances], [s.busy_s / result.duration_s * 100 for s in result.instances])
@@ -218,7 +218,8 @@ def _report_run(result: SimResult, args: argparse.Namespace, profile: SimProfile
     write_run(args.out, summary, run, result.records)
     if not args.no_plots:
         for path in [*plot(result.records, args.out), plot_instances(result, args.out)]:
-            print(f"wrote {path}")
+            if path:
+                print(f"wrote {path}")
     print(f"wrote {os.path.join(args.out, 'summary.json')}")
     unfinished = summary["all"]["errors"]
     if unfinished:
