@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from plaserve.plotting import pyplot
+
 CLASSES = ("short", "long")
 
 
