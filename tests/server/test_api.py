@@ -446,3 +446,43 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server) -> None:
     while _load(server)["kv"]["used_blocks"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _load(server)["kv"]["used_blocks"] == 0
+
+
+# What vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) and the Gateway
+# API Inference Extension's model-server protocol read from a vLLM server, by metric family name
+# (counters without their _total suffix, as the parser reports them).
+VLLM_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_success",
+                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
+                 "vllm:cache_config_info")
+
+
+def test_vllm_metric_names_with_the_model_name(client: openai.OpenAI, server) -> None:
+    def families() -> dict:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+
+    def total(fams: dict, name: str, sample: str) -> float:
+        return sum(s.value for s in fams[name].samples if s.name == sample)
+
+    model = client.models.list().data[0].id
+    before = families()
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True})
+    after = families()
+    for name in VLLM_FAMILIES:
+        assert name in after, name
+        assert all(s.labels["model_name"] == model for s in after[name].samples), name
+    assert total(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total") - \
+        total(before, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert total(after, "vllm:generation_tokens", "vllm:generation_tokens_total") - \
+        total(before, "vllm:generation_tokens", "vllm:generation_tokens_total") == 5
+    assert total(after, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") >= 1
+    queries = total(after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
+    assert queries >= total(after, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") and queries > 0
+    usage = after["vllm:kv_cache_usage_perc"].samples[0].value
+    assert 0 <= usage <= 1
+    config = after["vllm:cache_config_info"].samples[0].labels
+    assert config["block_size"] == "16" and int(config["num_gpu_blocks"]) > 0

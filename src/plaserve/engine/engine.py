@@ -238,7 +238,8 @@ class LLMEngine:
         self._held.clear()
         old = self.allocator
         self.allocator = BlockAllocator(len(old.blocks), old.block_size, old.enable_prefix_caching)
-        self.allocator.num_cache_hits = old.num_cache_hits  # a counter the metrics export: never goes back
+        # Counters the metrics export: they never go back.
+        self.allocator.num_cache_hits, self.allocator.num_cache_queries = old.num_cache_hits, old.num_cache_queries
         self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
         self.last_batch = None
 
@@ -264,6 +265,7 @@ class LLMEngine:
     def stats(self) -> dict[str, int]:
         """Monotonic counters for metrics: steps run, prompt tokens served from the prefix cache."""
         return {"num_steps": self.num_steps, "prefix_cache_hit_tokens": self.allocator.num_cache_hits,
+                "prefix_cache_query_tokens": self.allocator.num_cache_queries,
                 "num_preemptions": self.num_preemptions, **getattr(self.runner, "stats", {})}
 
     def load_report(self) -> dict:
@@ -286,7 +288,8 @@ class LLMEngine:
             "running": running,
             "num_requests": sum(queued.values()) + sum(running.values()),
             "kv": {"used_blocks": kv.num_used_blocks, "free_blocks": kv.num_free_blocks,
-                   "utilization": kv.num_used_blocks / kv.num_blocks, "block_size": kv.block_size},
+                   "utilization": kv.num_used_blocks / kv.num_blocks, "block_size": kv.block_size,
+                   "prefix_caching": kv.enable_prefix_caching},
             "cost_model": self.cost.as_dict(),
             "step_time_over_predicted": self.step_time.ratio,
             "short_threshold": self.config.scheduler.short_threshold,

@@ -51,6 +51,7 @@ class BlockAllocator:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self.cached: dict[int, int] = {}  # key -> block id
         self.num_cache_hits = 0  # tokens served from the prefix cache, ever
+        self.num_cache_queries = 0  # tokens looked up in it, ever (vLLM's prefix_cache_queries)
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +121,7 @@ class BlockAllocator:
         """Blocks holding the longest cached prefix of ``token_ids`` (whole blocks); forks them."""
         ids = self._cached_blocks(token_ids)
         self.fork(ids)
+        self.num_cache_queries += len(token_ids)
         self.num_cache_hits += len(ids) * self.block_size
         return ids
 

@@ -137,8 +137,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal)
     name = args.served_model_name or engine.loaded.name
+    loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal, model_name=name)
     app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits)
     if engine.loaded.random_weights:
         print(f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design", file=sys.stderr)

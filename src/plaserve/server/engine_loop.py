@@ -125,13 +125,15 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, *, max_queue: int | None = None, snapshot_interval: float = 0.01,
                  max_idle_wait: float = 0.05, max_restarts: int = 3, restart_window: float = 60.0,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None, model_name: str | None = None) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.snapshot_interval = snapshot_interval
         self.max_idle_wait = max_idle_wait  # longest sleep while the policy holds queued work back
         self.clock = engine.clock
-        self.metrics = ServerMetrics(snapshot=self.snapshot)
+        # The name vLLM's metrics carry (``model_name``): the served name, as the API reports it.
+        self.model_name = model_name or (engine.loaded.name if engine.loaded else "plaserve")
+        self.metrics = ServerMetrics(snapshot=self.snapshot, model_name=self.model_name)
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
         self._in_transit = 0  # submissions taken from the inbox, not yet counted in _num_waiting
@@ -338,7 +340,8 @@ class EngineLoop:
             cls = tracked.length_class or self.engine.length_class(tracked.request)
             m = out.metrics
             e2e = None if m.finish_time is None else m.finish_time - m.arrival_time
-            self.metrics.observe_finish(cls, out.outputs[0].finish_reason or "stop", e2e, len(out.prompt_token_ids), n)
+            self.metrics.observe_finish(cls, out.outputs[0].finish_reason or "stop", e2e, len(out.prompt_token_ids), n,
+                                        times=m)
         tracked.sink.put(out)
 
     def _fail_all(self, error: BaseException, reason: str = "abort") -> None:
