@@ -100,10 +100,12 @@ class PlaserveProcess:
                 pass  # the group is gone already
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Terminate the server's process group (SIGTERM, then SIGKILL after ``timeout``) and remove its log."""
+        """Stop the server (SIGTERM, then after ``timeout`` SIGKILL to its whole process group) and remove its log."""
         if self.proc is not None:
             if self.proc.poll() is None:
-                self._kill_group(signal.SIGTERM)
+                # SIGTERM to the leader alone: a server that forked workers shuts them down itself, more
+                # cleanly than if each got the signal at once.
+                self.proc.terminate()
                 try:
                     self.proc.wait(timeout)
                 except subprocess.TimeoutExpired:
