@@ -137,20 +137,21 @@ class Sizes:
     max_output: int = 32
     target_busy: float = 0.75
     busy_band: tuple[float, float] = (0.70, 0.80)
-    calibration_tries: int = 3
+    calibration_tries: int = 4
     max_model_len: int = 4608
     kv_cache_gib: int = 2  # vLLM takes whole GiB
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     peak_size: int = 2048
-    peak_seconds: float = 2.0
+    peak_reps: int = 6  # best of this many windows of peak_seconds (a shared machine only ever slows it)
+    peak_seconds: float = 0.3
     startup_timeout_s: float = 900.0  # vLLM compiles the model at start-up
 
 
 FULL = Sizes()
 QUICK = Sizes(prefill_lengths=(32, 64, 128), flop_length=128, prefill_reps=1, decode_batches=(1, 4), decode_prompt=8,
               decode_tokens=6, decode_reps=1, trace_requests=10, length_scale=1 / 16, max_output=6,
-              calibration_tries=1, max_model_len=512, kv_cache_gib=1, peak_size=256, peak_seconds=0.1)
+              calibration_tries=1, max_model_len=512, kv_cache_gib=1, peak_size=256, peak_reps=2, peak_seconds=0.05)
 
 
 # --- checkpoints and servers ---------------------------------------------------------------------
@@ -306,6 +307,20 @@ def trace_summary(result: Any) -> dict[str, Any]:
             "counts": {c: s[c]["count"] for c in ("short", "long")}}
 
 
+def next_time_scale(tried: list[dict[str, Any]], target: float) -> float:
+    """The next trace time scale to try. Once replays lie on both sides of ``target``, interpolate the
+    busy fraction linearly between the nearest two; before that, scale the last one by busy / target
+    (the busy time stays about the same, so the busy fraction goes about as 1 / scale)."""
+    above = [t for t in tried if t["busy"] > target]
+    below = [t for t in tried if t["busy"] < target]
+    if above and below:
+        a = max(above, key=lambda t: t["time_scale"])  # the most stretched replay still too busy
+        b = min(below, key=lambda t: t["time_scale"])  # the least stretched one not busy enough
+        w = (a["busy"] - target) / (a["busy"] - b["busy"])
+        return a["time_scale"] + w * (b["time_scale"] - a["time_scale"])
+    return tried[-1]["time_scale"] * tried[-1]["busy"] / target
+
+
 def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], time_scale: float | None,
                calibrate: bool) -> dict[str, Any]:
     """Every measurement of one running server. With ``calibrate``, the trace's time scale is searched
@@ -330,19 +345,21 @@ def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], 
         out["calibration"].append(trace)
         log(f"  trace x{time_scale:.4f}: busy {trace['busy']:.0%}, TTFT short p50 {trace['short_p50_ms']:.0f} ms")
         lo, hi = sizes.busy_band
-        if not calibrate or lo <= trace["busy"] <= hi or attempt == tries - 1:
+        if lo <= trace["busy"] <= hi:
             break
-        time_scale *= trace["busy"] / sizes.target_busy  # busy time is fixed: busy fraction ~ 1 / scale
-    out["trace"] = out["calibration"][-1]
+        time_scale = next_time_scale(out["calibration"], sizes.target_busy)
+    # The replay closest to the target is the one reported (and the one the other systems replay).
+    out["trace"] = min(out["calibration"], key=lambda t: abs(t["busy"] - sizes.target_busy))
     out["loadavg_end"] = os.getloadavg()
     out["runtime_s"] = time.perf_counter() - t0
     return out
 
 
-def peaks(sizes: Sizes, dtypes: list[str]) -> dict[str, float]:
-    """Square-matmul FLOP/s per dtype (torch, every thread), measured now."""
-    return {d: measure_peak_flops(torch.device("cpu"), getattr(torch, d), sizes.peak_size, sizes.peak_seconds)
-            for d in dtypes}
+def measure_peaks(sizes: Sizes, dtypes: list[str], into: dict[str, list[float]]) -> None:
+    """Append each dtype's square-matmul FLOP/s (torch, every thread, best of ``peak_reps`` windows) to ``into``."""
+    for d in dtypes:
+        into.setdefault(d, []).append(max(measure_peak_flops(torch.device("cpu"), getattr(torch, d), sizes.peak_size,
+                                                             sizes.peak_seconds) for _ in range(sizes.peak_reps)))
 
 
 def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: list[str], checkpoints: Path,
@@ -362,8 +379,11 @@ def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: l
     if vllm_python:
         results["machine"]["vllm"] = subprocess.run([str(vllm_python), "-c", "import vllm; print(vllm.__version__)"],
                                                     capture_output=True, text=True).stdout.strip()
+    # The peak is measured at the start, before every server starts (none running) and at the end; the
+    # best of all is used, as the prefill figures are bests too.
     log("matmul peak ...")
-    peak_start = peaks(sizes, dtypes)
+    peak_runs: dict[str, list[float]] = {}
+    measure_peaks(sizes, dtypes, peak_runs)
     for model in models:
         model_dir = build_checkpoint(MODELS[model], checkpoints / model, reuse)
         cfg = ModelConfig.from_pretrained(str(model_dir))
@@ -376,7 +396,9 @@ def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: l
             results["runs"].setdefault(model, {})[dtype] = block
             scale = time_scale
             for system in systems:
-                log(f"{model} {dtype} {system}: starting the server ...")
+                measure_peaks(sizes, [dtype], peak_runs)
+                log(f"{model} {dtype} {system}: starting the server (matmul peak {peak_runs[dtype][-1] / 1e9:,.0f} "
+                    f"GFLOP/s) ...")
                 proc = None
                 try:
                     proc = start_server(system, model_dir, model, dtype, sizes, vllm_python, threads)
@@ -391,10 +413,8 @@ def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: l
                 scale = r["trace"]["time_scale"]  # later systems replay the calibrated trace
                 block["systems"][system] = r
                 block.setdefault("calibrated_on", system)
-    log("matmul peak again ...")
-    peak_end = peaks(sizes, dtypes)
-    results["peak_flop_s"] = {d: {"start": peak_start[d], "end": peak_end[d], "used": max(peak_start[d], peak_end[d])}
-                              for d in dtypes}
+    measure_peaks(sizes, dtypes, peak_runs)
+    results["peak_flop_s"] = {d: {"measured": v, "used": max(v)} for d, v in peak_runs.items()}
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["runtime_s"] = time.perf_counter() - t_start
     return results
@@ -497,7 +517,8 @@ def format_report(results: dict[str, Any], command: str = "", baseline: dict[str
             others = [s for s in systems if s != "vllm"]
             has_v = "vllm" in block["systems"] and "error" not in block["systems"]["vllm"]
             out.append(f"**{model}** ({block['num_params'] / 1e6:.0f} M parameters), **{dtype}**; matmul peak "
-                       f"({sz['peak_size']}^3 {dtype}) {peak / 1e9:,.0f} GFLOP/s; trace time scale "
+                       f"({sz['peak_size']}^3 {dtype}, best of {len(results['peak_flop_s'][dtype]['measured'])} measurements "
+                       f"in this run) {peak / 1e9:,.0f} GFLOP/s; trace time scale "
                        f"{next(iter(r['trace']['time_scale'] for r in block['systems'].values() if 'trace' in r), 0):.4f}"
                        f" (calibrated on {block.get('calibrated_on', '-')} to {sz['target_busy']:.0%} busy)")
             out.append("")
@@ -515,6 +536,7 @@ def format_report(results: dict[str, Any], command: str = "", baseline: dict[str
                 v = vals.get("vllm")
                 ratios = [f"{vals[s] / v:.2f}x" if v and vals.get(s) is not None else "-" for s in others] if has_v else []
                 out.append("| " + " | ".join([label, *cells, *ratios]) + " |")
+            out.append("")
             out.append("Ratios: system / vLLM (above 1 is better for tok/s and requests/s, worse for times); "
                        "load average: 1-minute, when the system's measurements started and ended." if has_v else
                        "Load average: 1-minute, when the system's measurements started and ended.")
@@ -528,6 +550,24 @@ def format_report(results: dict[str, Any], command: str = "", baseline: dict[str
                 out += ["Targets:", *lines]
             out.append("")
     return "\n".join(out) + "\n"
+
+
+def override(sizes: Sizes, settings: list[str]) -> Sizes:
+    """``sizes`` with ``FIELD=VALUE`` settings applied, each value read as the field's default's type
+    (tuples: comma-separated)."""
+    changes: dict[str, Any] = {}
+    for item in settings:
+        name, _, text = item.partition("=")
+        default = getattr(sizes, name) if name in {f.name for f in dataclasses.fields(sizes)} else None
+        if default is None or not text:
+            raise KeyError(f"unknown size or no value: {item!r}")
+        if isinstance(default, tuple):
+            changes[name] = tuple(type(default[0])(x) for x in text.split(","))
+        else:
+            changes[name] = type(default)(text)
+    sizes = replace(sizes, **changes)
+    # The FLOP-rate row reads the prefill at flop_length: make sure it is measured.
+    return replace(sizes, prefill_lengths=tuple(sorted({*sizes.prefill_lengths, sizes.flop_length})))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -545,11 +585,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse-checkpoints", action="store_true", help="reuse checkpoints built by an earlier run")
     p.add_argument("--time-scale", type=float, default=None, help="trace time scale (default: calibrated on vLLM)")
     p.add_argument("--baseline", default=None, help="an earlier engine_vs_vllm.json: float32 'no slower' check")
-    p.add_argument("--decode-tokens", type=int, default=None, help="outputs per decode request (default 64)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a size, e.g. --set prefill_reps=2 --set decode_batches=1,16 (see Sizes)")
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else FULL
-    if args.decode_tokens:
-        sizes = replace(sizes, decode_tokens=args.decode_tokens)
+    try:
+        sizes = override(sizes, args.set)
+    except (ValueError, KeyError) as e:
+        p.error(f"--set: {e}")
     models, dtypes, systems = (a.split(",") for a in (args.models, args.dtypes, args.systems))
     unknown = (set(models) - set(MODELS)) | (set(systems) - set(SYSTEMS))
     if unknown:
