@@ -17,8 +17,9 @@ process), warmed up, and measured with the load generator of ``plaserve bench``
   and long prompts. The arrival-time scale is chosen so that vLLM is busy ~75 % of the time: the first
   guess is (vLLM's burst wall time) / (0.75 x the slice's duration); then the trace is replayed on vLLM,
   its busy fraction *measured* (the share of the run's wall time during which at least one request was
-  in flight, from the client's timestamps) and the scale corrected by busy / 0.75 until it lands in
-  70-80 % (at most ``calibration_tries`` replays). plaserve replays the last of those, same prompts.
+  in flight, from the client's timestamps) and the scale corrected (:func:`next_time_scale`) until it
+  lands in 70-80 % (at most ``calibration_tries`` replays). plaserve replays the replay closest to 75 %,
+  same arrivals, same prompts.
 
 Defaults: the Azure conversation trace, rows 840-899, lengths x 1/4 (at 1/16, as in the issue's first
 measurement, no prompt reaches 512 tokens and the long class is empty), outputs <= 32 tokens.
@@ -307,10 +308,11 @@ def trace_summary(result: Any) -> dict[str, Any]:
             "counts": {c: s[c]["count"] for c in ("short", "long")}}
 
 
-def next_time_scale(tried: list[dict[str, Any]], target: float) -> float:
-    """The next trace time scale to try. Once replays lie on both sides of ``target``, interpolate the
-    busy fraction linearly between the nearest two; before that, scale the last one by busy / target
-    (the busy time stays about the same, so the busy fraction goes about as 1 / scale)."""
+def next_time_scale(tried: list[dict[str, Any]], target: float, duration: float) -> float:
+    """The next trace time scale to try for a slice of ``duration`` seconds unscaled. Once replays lie on
+    both sides of ``target``, interpolate the busy fraction linearly between the nearest two; before
+    that, stretch the slice so that the last replay's busy seconds would be ``target`` of it (busy
+    seconds, unlike the busy fraction, still say how much work there is when the server was saturated)."""
     above = [t for t in tried if t["busy"] > target]
     below = [t for t in tried if t["busy"] < target]
     if above and below:
@@ -318,7 +320,8 @@ def next_time_scale(tried: list[dict[str, Any]], target: float) -> float:
         b = min(below, key=lambda t: t["time_scale"])  # the least stretched one not busy enough
         w = (a["busy"] - target) / (a["busy"] - b["busy"])
         return a["time_scale"] + w * (b["time_scale"] - a["time_scale"])
-    return tried[-1]["time_scale"] * tried[-1]["busy"] / target
+    last = tried[-1]
+    return last["busy"] * last["wall_s"] / (target * duration)
 
 
 def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], time_scale: float | None,
@@ -347,9 +350,10 @@ def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], 
         lo, hi = sizes.busy_band
         if lo <= trace["busy"] <= hi:
             break
-        time_scale = next_time_scale(out["calibration"], sizes.target_busy)
-    # The replay closest to the target is the one reported (and the one the other systems replay).
-    out["trace"] = min(out["calibration"], key=lambda t: abs(t["busy"] - sizes.target_busy))
+        time_scale = next_time_scale(out["calibration"], sizes.target_busy, duration)
+    # The replay closest to the target is the one reported (and the one the other systems replay); of
+    # equally close ones (all saturated, say), the most stretched.
+    out["trace"] = min(out["calibration"], key=lambda t: (abs(t["busy"] - sizes.target_busy), -t["time_scale"]))
     out["loadavg_end"] = os.getloadavg()
     out["runtime_s"] = time.perf_counter() - t0
     return out
@@ -422,6 +426,8 @@ def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: l
 
 # --- report --------------------------------------------------------------------------------------
 def _num(x: float | None, digits: int = 0) -> str:
+    if x is not None and digits == 0 and abs(x) < 10:
+        digits = 1  # a whole number would hide a 2x difference between 2 and 3 tokens/s
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
