@@ -8,6 +8,7 @@ them with ``plaserve bench``).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,7 +33,10 @@ class PlaserveProcess:
     context manager), ready once its ``/health`` answers 200.
 
     The child's output goes to a temporary log file (a pipe nobody reads could fill and block it);
-    :meth:`log` returns it, and a failed start raises with its tail.
+    :meth:`log` returns it, and a failed start raises with its tail. The child leads its own process
+    group and :meth:`stop` signals the whole group, so servers that fork workers (vLLM's engine core,
+    for one) leave nothing behind. Subclasses run other servers by overriding :meth:`command`,
+    :meth:`child_env` and :attr:`label`.
     """
 
     subcommand = "serve"
@@ -51,38 +55,64 @@ class PlaserveProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "PlaserveProcess":
-        """Launch the server and block until ``/health`` answers 200."""
+    @property
+    def label(self) -> str:
+        """What the server is called in error messages."""
+        return f"plaserve {self.subcommand}"
+
+    def command(self) -> list[str]:
+        """The child's argv."""
+        return [sys.executable, "-m", "plaserve.cli", self.subcommand, *self.args, "--host", self.host,
+                "--port", str(self.port)]
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment."""
         env = dict(os.environ if self.env is None else self.env)
         # The child must import this same plaserve, installed or not.
         src = str(Path(plaserve.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "plaserve.cli", self.subcommand, *self.args, "--host", self.host,
-               "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        return env
+
+    def start(self) -> "PlaserveProcess":
+        """Launch the server and block until ``/health`` answers 200."""
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.child_env(),
+                                     start_new_session=True)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"plaserve {self.subcommand} exited with {self.proc.returncode}:\n"
-                                   f"{self.log()[-4000:]}")
+                self._kill_group(signal.SIGKILL)  # workers it forked before dying
+                raise RuntimeError(f"{self.label} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
+        tail = self.log()[-4000:]
         self.stop()
-        raise RuntimeError(f"plaserve {self.subcommand} did not become healthy in {self.startup_timeout:.0f} s:\n"
-                           f"{self.log()[-4000:]}")
+        raise RuntimeError(f"{self.label} did not become healthy in {self.startup_timeout:.0f} s:\n{tail}")
+
+    def _kill_group(self, sig: signal.Signals) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)  # the child's pid is its group's id (start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass  # the group is gone already
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after ``timeout``) and remove its log."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        """Stop the server (SIGTERM, then after ``timeout`` SIGKILL to its whole process group) and remove its log."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                # SIGTERM to the leader alone: a server that forked workers shuts them down itself, more
+                # cleanly than if each got the signal at once.
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            # SIGKILL whatever is left of the group: a leader that exited may have left workers running.
+            self._kill_group(signal.SIGKILL)
+            if self.proc.poll() is None:
                 self.proc.wait()
         self._log.close()
         if os.path.exists(self._log.name):
