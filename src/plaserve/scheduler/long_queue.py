@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from plaserve.cost import CostModel
 from plaserve.engine.request import Request
 from plaserve.scheduler.deadlines import DeadlinePlan, tokens_left
 
@@ -42,7 +41,3 @@ class LongQueue:
         left, _ = tokens_left(queue[0])  # a waiting request's cached prefix is not computed again
         stretched = min(self.chunk_size + self.chunk_size // 2, self.max_tokens)
         return left if self.chunk_size < left <= stretched else self.chunk_size
-
-    def chunk_time(self, cost: CostModel) -> float:
-        """Predicted time of one chunk: the margin a short batch keeps before its deadline."""
-        return cost.prefill_time(self.chunk_size)

@@ -81,16 +81,12 @@ class PlaScheduler(Scheduler):
         """:meth:`short_batch` of a decision at ``now``."""
         return self.short_batch(self.plan(now))
 
-    def short_ready_at(self, batch: ShortBatch, plan: DeadlinePlan) -> float:
-        """When ``batch`` leaves (:meth:`ShortQueue.ready_at`), keeping one long chunk's time of margin."""
-        return self.shorts.ready_at(batch, plan, self.longs.chunk_time(self.cost))
-
     def next_wakeup(self, now: float) -> float | None:
         if self.running or self.long_pending():
             return now
         plan = self.plan(now)
         batch = self.short_batch(plan)
-        return None if batch is None else max(now, self.short_ready_at(batch, plan))
+        return None if batch is None else max(now, self.shorts.ready_at(batch))
 
     # --- the step -------------------------------------------------------------------------
     def schedule(self, now: float) -> ScheduledBatch:
@@ -98,7 +94,7 @@ class PlaScheduler(Scheduler):
         decodes = self.decoding()
         long_pending = self.long_pending()
         short = self.short_batch(plan)
-        ready_at = self.short_ready_at(short, plan) if short is not None else None
+        ready_at = self.shorts.ready_at(short) if short is not None else None
         short_ready = ready_at is not None and ready_at <= now
         if short_ready:
             # The moment the head-of-line guarantee starts to count; ready requests keep their place.

@@ -1,10 +1,9 @@
 """pla's short queue: deadline order, the batch forming at its head, and when that batch leaves.
 
-Short requests wait in earliest-deadline order. A batch forms at the head; it leaves when it is full,
-when the batch window (:class:`~plaserve.scheduler.window.AdaptiveWindow`) since its oldest member
-ends, or earlier when waiting longer would leave too little slack before the tightest deadline. Once
-it leaves, its members are *ready*: the head-of-line guarantee counts from then, and a ready request
-keeps its place whatever the late set says.
+Short requests wait in earliest-deadline order. A batch forms at the head; it leaves when it is full
+or when the batch window (:class:`~plaserve.scheduler.window.AdaptiveWindow`) since its oldest member
+ends. Once it leaves, its members are *ready*: the head-of-line guarantee counts from then, and a
+ready request keeps its place whatever the late set says.
 """
 
 from __future__ import annotations
@@ -81,20 +80,18 @@ class ShortQueue:
             used, work, due = used + n, work + w, d
         return batch
 
-    def ready_at(self, batch: ShortBatch, plan: DeadlinePlan, margin: float) -> float:
-        """When ``batch`` must leave: once full, at the end of its window, or earlier when waiting longer
-        would leave less than ``margin`` (one long chunk's time) between its predicted finish and the
-        tightest deadline of its members."""
+    def ready_at(self, batch: ShortBatch) -> float:
+        """When ``batch`` leaves: once full, else at the end of its window (at once where the window is
+        shut). The window is at most ``W_max``, tens of milliseconds against SLOs of a quarter second and
+        more, so a batch does not also leave early on low deadline slack (docs/POLICIES.md says what
+        dropping that rule changed)."""
         arrivals = [r.metrics.arrival_time for r in batch.reqs]
         oldest = min(arrivals)
         if len(batch.reqs) >= batch.target:
             # Full since its last member arrived; the members are in priority order, not arrival order,
             # so that may be later than the longest window would have let the oldest wait.
             return min(max(arrivals[:batch.target]), oldest + self.window.w_max)
-        window_end = oldest + self.window.width(batch.target, len(batch.reqs))
-        exec_time = plan.cost.batch_time([(batch.tokens(r), 0) for r in batch.reqs]) + plan.rider_time
-        slack_end = min(deadline(r) for r in batch.reqs) - exec_time - margin
-        return min(window_end, slack_end)
+        return oldest + self.window.width(batch.target, len(batch.reqs))
 
     def mark_ready(self, reqs: Iterable[Request], at: float) -> None:
         """Record ``reqs`` as ready from ``at`` (a request stays ready from the first time)."""
