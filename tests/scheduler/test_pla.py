@@ -207,32 +207,6 @@ def test_classification_uses_the_prefix_cache():
     assert follow_up.length_class == "short" and follow_up.uncached_estimate < 512
 
 
-@pytest.mark.parametrize("pad", ["always", "never"])
-def test_waiting_shorts_ride_along_long_chunks_only_without_static_batches(pad):
-    chunk = 512
-    # Windows longer than a chunk: shorts are still waiting in theirs when the next chunk starts.
-    engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad, long_chunk_size=chunk, w_min=0.3,
-                                       w_max=0.3, ttft_slo_floor=5.0)
-    readiness = record_ready(engine)
-    # A long prompt under way, then shorts arriving while it runs.
-    arrivals = [A(0.0, 4000, 2)] + [A(0.01 + 0.002 * i, 60 + 37 * i, 2) for i in range(6)]
-    reqs = replay(engine, clock, arrivals)
-    assert all(r.finished for r in reqs)
-    long_steps = [b for _, _, b in runner.batches if b.kind == "long"]
-    riders = [[it for it in b.items if it.request.length_class == "short" and it.num_tokens > 1] for b in long_steps]
-    if pad == "always":  # static runners: shorts keep to their padded batches
-        assert not any(riders)
-        return
-    assert any(riders)
-    for b, rs in zip(long_steps, riders):
-        assert sum(it.num_tokens for it in rs) <= chunk  # at most another chunk's worth of riders
-        assert all(it.num_tokens == it.request.num_prompt_tokens for it in rs)  # each whole
-        long_tokens = sum(it.num_tokens for it in b.items if it.request.length_class == "long")
-        assert long_tokens <= chunk
-    for r in reqs[1:]:  # every short still counts as dispatched within the head-of-line bound
-        assert r in readiness
-
-
 def queue(engine: LLMEngine, arrivals: list[A]) -> list:
     """Add ``arrivals`` to the engine without stepping it."""
     return [engine.add_request([(7 * i + a.prompt_tokens) % 500 for i in range(a.prompt_tokens)],

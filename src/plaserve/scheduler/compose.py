@@ -7,7 +7,7 @@ how short batches run:
   A padded batch cannot carry other work, so decodes ride long chunks and get a step of their own when
   the cadence makes them due.
 * :class:`VarlenComposer` — each prompt at its own length (CPU, where padding would be pure extra
-  compute). Decodes ride every step, and waiting shorts ride long chunks.
+  compute). Decodes ride every step, except while shorts are backed up.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class StaticComposer:
             padded = all(it.request.num_computed_tokens == 0 for it in items)
             batch = ScheduledBatch(items, kind="short", bucket=d.short.bucket if padded else None)
         if not batch and d.long_pending:
-            batch = s.long_step(d.plan, d.decodes, shorts_ride=False)
+            batch = s.long_step(d.plan, d.decodes)
         return batch or s.decode_step(d.decodes)
 
 
@@ -114,5 +114,5 @@ class VarlenComposer:
         if d.short_ready and not d.long_due:
             batch = s.with_decodes(ScheduledBatch(s.start_shorts(d.short.reqs, self.threshold), kind="short"), riders)
         if not batch and d.long_pending:
-            batch = s.long_step(d.plan, riders, shorts_ride=True)
+            batch = s.long_step(d.plan, riders)
         return batch or s.decode_step(d.decodes)

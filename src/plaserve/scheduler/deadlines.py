@@ -54,7 +54,8 @@ def tokens_left(req: Request) -> tuple[int, int]:
 class DeadlinePlan:
     """What one decision at time ``now`` knows about deadlines.
 
-    ``pending``: every prefill not yet done (waiting, and running ones still in prefill); ``riders``:
+    ``pending``: the waiting requests (prefills under way keep going whatever the plan says, so they
+    are left out: counting them changed no result of the load sweep); ``riders``:
     the decoding requests whose tokens ride along a short batch (none where short batches run padded);
     ``late_yield``: how many of its SLOs a late request yields for (0: never).
     """
@@ -77,7 +78,7 @@ class DeadlinePlan:
     @cached_property
     def late(self) -> frozenset[Request]:
         """The pending prefills that a schedule making the fewest of them late would leave late, if
-        nothing else arrived: Moore-Hodgson over every pending prefill, from the end of the next step's
+        nothing else arrived: Moore-Hodgson over the pending prefills, from the end of the next step's
         fixed costs (``c0`` and the riders), each priced with the history it attends to. It gives up a
         request that could still make its deadline where serving it would make others miss theirs,
         which a test of each request on its own misses."""

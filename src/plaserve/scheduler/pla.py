@@ -68,9 +68,8 @@ class PlaScheduler(Scheduler):
 
     def plan(self, now: float) -> DeadlinePlan:
         """The deadline plan of a decision at ``now``, over the queues as they stand."""
-        pending = [r for r in self.running if r.in_prefill] + list(self.waiting)
         riders = self.decoding() if self.composer.shorts_carry_decodes else []
-        return DeadlinePlan(now, self.cost, pending, riders, self.config.late_yield)
+        return DeadlinePlan(now, self.cost, list(self.waiting), riders, self.config.late_yield)
 
     def short_batch(self, plan: DeadlinePlan) -> ShortBatch | None:
         """The batch forming at the head of the short queue (None: no short waits)."""
@@ -126,14 +125,12 @@ class PlaScheduler(Scheduler):
             self.add_decodes(batch.items, batch.preempted, decodes)
         return batch
 
-    def start_shorts(self, reqs: list[Request], max_tokens: int, budget: int | None = None) -> list[BatchItem]:
+    def start_shorts(self, reqs: list[Request], max_tokens: int) -> list[BatchItem]:
         """Start short requests of ``reqs`` in order, each whole (at most ``max_tokens``), until one does
-        not start or the next would exceed ``budget`` tokens in all."""
+        not start."""
         items: list[BatchItem] = []
         for req in reqs:
             if len(self.running) >= self.max_num_seqs:
-                break
-            if budget is not None and req.uncached_estimate > budget:
                 break
             n = self.try_start(req, max_tokens)
             if n == 0:
@@ -147,25 +144,16 @@ class PlaScheduler(Scheduler):
                 req.length_class, req.uncached_estimate = "long", req.num_tokens
                 continue
             items.append(BatchItem(req, n))
-            if budget is not None:
-                budget -= n
         return items
 
-    def long_step(self, plan: DeadlinePlan, decodes: list[Request], shorts_ride: bool) -> ScheduledBatch:
-        """One chunk (:meth:`LongQueue.chunk_budget`) packed from the head of the long queue (a request's
-        last, partial chunk is topped up from the next), with ``decodes`` riding along.
-
-        ``shorts_ride``: the waiting shorts ride along too, whole, up to another chunk's tokens: they
-        start now instead of after their window and the chunk, and one larger step costs less than two
-        (a fixed cost per step; matmuls over few rows run slower per token)."""
+    def long_step(self, plan: DeadlinePlan, decodes: list[Request]) -> ScheduledBatch:
+        """One chunk (:meth:`LongQueue.chunk_budget`) of the request at the head of the long queue, with
+        ``decodes`` riding along. A chunk holds one request: a partial last chunk is not topped up from
+        the next one, which would start a second long prompt that then holds its blocks while shorts
+        pass it (docs/POLICIES.md measures both)."""
         items: list[BatchItem] = []
         preempted: list[Request] = []
         queue = self.longs.order(self.running, self.waiting, plan)
-        self.pack(queue, self.longs.chunk_budget(queue), items, preempted)
-        if shorts_ride and items and not preempted:
-            riders = self.start_shorts(self.shorts.candidates(self.waiting, plan), self.config.short_threshold,
-                                       budget=self.config.long_chunk_size)
-            self.shorts.mark_ready([it.request for it in riders], plan.now)  # dispatched at once
-            items += riders
+        self.pack(queue[:1], self.longs.chunk_budget(queue), items, preempted)
         return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)
 
