@@ -8,6 +8,7 @@ import pytest
 
 from plaserve import EngineConfig, LLMEngine
 from plaserve.cost import CostModel
+from plaserve.scheduler.busy import HORIZON_S, BusyMeter
 from plaserve.scheduler.deadlines import deadline
 from plaserve.sim.replay import replay
 from plaserve.sim.runner import CostRunner, SimClock
@@ -313,3 +314,50 @@ def test_a_request_arriving_at_the_same_time_joins_the_late_set():
     long, = queue(engine, [A(0.0, 2000)])  # same scheduling time, a new request: the next decision's plan has it
     plan = sched.plan(0.001)
     assert plan.late == {long} and not any(plan.yields(r) for r in shorts)
+
+
+def test_no_harm_at_light_load():
+    # Sparse requests, shorts and longs in turn, on a machine busy a few percent of the time: there is
+    # nothing to reorder, so once the busy meter has watched a whole horizon pla serves every request
+    # exactly as fcfs does (a short at once, a long prompt in one step).
+    arrivals = [A(0.7 * i, 1800 if i % 3 == 0 else 40 + 30 * i, 4) for i in range(40)]
+    ttft = {}
+    for policy in ("fcfs", "pla"):
+        engine, clock, runner = sim_engine(policy=policy, pad_short_batches="never")
+        reqs = replay(engine, clock, arrivals)
+        ttft[policy] = [r.metrics.ttft for r in reqs]
+        if policy == "pla":
+            warm = [r for r in reqs if r.metrics.arrival_time >= HORIZON_S and r.length_class == "long"]
+            assert warm and all(len(r.metrics.prefill_chunks) == 1 for r in warm)
+            cold = [r for r in reqs if r.metrics.arrival_time < HORIZON_S and r.length_class == "long"]
+            assert all(len(r.metrics.prefill_chunks) > 1 for r in cold)  # no evidence of light load yet
+    for a, f, p in zip(arrivals, ttft["fcfs"], ttft["pla"]):
+        if a.arrival >= HORIZON_S:
+            assert p == pytest.approx(f)
+
+
+@pytest.mark.parametrize("light_load", [0.3, 1.0])
+def test_long_prefills_stay_chunked_while_the_machine_is_busy(light_load):
+    # Shorts keep the machine about half busy; a long prompt arriving in a gap between them, with no
+    # short waiting, is still cut into chunks, so the shorts that follow pass it (with light_load 1.0
+    # every machine counts as lightly loaded: the prompt runs whole).
+    shorts = [A(0.045 * i, 200, 1) for i in range(400)]
+    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never", light_load=light_load)
+    reqs = replay(engine, clock, sorted(shorts + [A(15.01, 1800, 1)], key=lambda a: a.arrival))
+    (long,) = [r for r in reqs if r.num_prompt_tokens == 1800]
+    if light_load == 1.0:
+        assert len(long.metrics.prefill_chunks) == 1
+        return
+    busy = sum(min(end, 15.0) - max(start, 5.0) for start, end, _ in runner.batches if start < 15.0 and end > 5.0)
+    assert busy / 10.0 > 0.3  # the busy share pla reads when the long prompt arrives
+    assert len(long.metrics.prefill_chunks) > 1
+
+
+def test_busy_meter_reads_the_share_of_its_horizon_after_watching_one():
+    meter = BusyMeter(horizon=10.0)
+    meter.record(0.0, 1.0)
+    assert meter.share(5.0) is None  # not a whole horizon watched yet
+    meter.record(10.0, 12.0)
+    assert meter.share(10.5) == pytest.approx((0.5 + 0.5) / 10)  # [0.5, 1] and [10, 10.5]
+    assert meter.share(20.0) == pytest.approx(2.0 / 10)
+    assert meter.share(30.0) == 0.0

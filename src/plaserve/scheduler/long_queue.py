@@ -32,10 +32,14 @@ class LongQueue:
         waited = plan.now - req.metrics.arrival_time
         return plan.cost.prefill_time(req.uncached_estimate) - self.aging * waited
 
-    def chunk_budget(self, queue: list[Request]) -> int:
-        """Prefill tokens of the next chunk: ``chunk_size``, stretched by up to half a chunk (within the
+    def chunk_budget(self, queue: list[Request], whole: bool = False) -> int:
+        """Prefill tokens of the next chunk. ``whole``: the step budget, as fcfs runs a prompt (where no
+        short prompt is there to pass it, cutting it only adds per-step costs, and the decodes riding
+        each chunk, to its TTFT). Otherwise ``chunk_size``, stretched by up to half a chunk (within the
         step budget) when that finishes the head of ``queue``: a stub left over would wait behind up to
         ``K`` short batches for a step of its own, adding their time to its TTFT for little work."""
+        if whole:
+            return self.max_tokens
         if not queue:
             return self.chunk_size
         left, _ = tokens_left(queue[0])  # a waiting request's cached prefix is not computed again

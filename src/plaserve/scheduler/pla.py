@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from plaserve.engine.request import Request, RequestStatus
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
+from plaserve.scheduler.busy import BusyMeter
 from plaserve.scheduler.cadence import Cadence
 from plaserve.scheduler.compose import Decision, StaticComposer, VarlenComposer
 from plaserve.scheduler.deadlines import DeadlinePlan
@@ -32,6 +33,7 @@ class PlaScheduler(Scheduler):
         self.shorts = ShortQueue(c.short_threshold, c.max_short_batch, c.w_min, c.w_max)
         self.longs = LongQueue(c.long_chunk_size, self.max_num_batched_tokens, c.long_aging)
         self.cadence = Cadence(c.max_consecutive_short, c.max_prefill_steps_between_decodes)
+        self.busy = BusyMeter()
         if c.static_short_batches:
             cap = min(self.max_num_batched_tokens, c.max_static_batch_tokens or self.max_num_batched_tokens)
             self.composer: StaticComposer | VarlenComposer = StaticComposer(self.shorts, cap)
@@ -146,6 +148,21 @@ class PlaScheduler(Scheduler):
             items.append(BatchItem(req, n))
         return items
 
+    def light_load(self, now: float) -> bool:
+        """Whether the machine is lightly loaded: no short request waits, and steps took less than
+        ``light_load`` of the recent past (:class:`BusyMeter`; never before it has watched a whole
+        horizon). Then a long prefill runs whole, as fcfs runs it: chunks are there to let shorts pass,
+        and on a machine this idle few arrive meanwhile. In a busy spell chunks stay on, as the next
+        short is likely to arrive while a whole prompt would hold the machine."""
+        if any(r.length_class == "short" for r in self.waiting):
+            return False
+        share = self.busy.share(now)
+        return share is not None and share < self.config.light_load
+
+    def on_batch_done(self, batch: ScheduledBatch, start: float, end: float) -> None:
+        super().on_batch_done(batch, start, end)
+        self.busy.record(start, end)
+
     def long_step(self, plan: DeadlinePlan, decodes: list[Request]) -> ScheduledBatch:
         """One chunk (:meth:`LongQueue.chunk_budget`) of the request at the head of the long queue, with
         ``decodes`` riding along. A chunk holds one request: a partial last chunk is not topped up from
@@ -154,6 +171,6 @@ class PlaScheduler(Scheduler):
         items: list[BatchItem] = []
         preempted: list[Request] = []
         queue = self.longs.order(self.running, self.waiting, plan)
-        self.pack(queue[:1], self.longs.chunk_budget(queue), items, preempted)
+        self.pack(queue[:1], self.longs.chunk_budget(queue, self.light_load(plan.now)), items, preempted)
         return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)
 
