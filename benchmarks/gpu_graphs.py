@@ -107,7 +107,7 @@ def capture_grid(engine: LLMEngine) -> tuple[GraphGrid | None, dict]:
     """Capture the scheduler's whole grid as CUDA graphs (None on CPU), timed, with its memory."""
     runner = engine.runner
     assert isinstance(runner, ModelRunner)
-    shapes = engine.scheduler.grid_shapes()
+    shapes = engine.scheduler.static_shapes()
     # What the engine's cuda_graph_memory budget assumes the largest shape takes, to compare with the pool.
     per_token = engine.model_config.activation_bytes_per_token(torch.finfo(engine.dtype).bits // 8)
     info: dict = {"shapes": len(shapes), "estimated_mib": per_token * max(b * k for b, k in shapes) / 2**20}

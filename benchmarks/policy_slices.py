@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/policy_slices.py                  # ~2 min fit, then 9 code + 10 conversation slices (~30 s)
     .venv/bin/python benchmarks/policy_slices.py --out DIR        # also writes DIR/policy_slices.json
+    .venv/bin/python benchmarks/policy_slices.py --models docs/policy_slices_models.json --sweep 0.2,0.4,0.6,0.75,0.9
+                                                                  # the load sweep (below)
 
 The same setup as benchmarks/policies.py (lengths x0.25, prompts capped at 4000 and outputs at 64;
 arrivals rescaled so the predicted prefill work fills a share of a 60 s window; TTFT SLO = max(0.5 s,
@@ -23,6 +25,14 @@ models of an earlier run's policy_slices.json, so that two versions of the sched
 
 Slices start every 1000 rows (code) and 2000 rows (conversation) from row 0, so the first is the slice
 that benchmarks/policies.py measures on the wall clock.
+
+--sweep U1,U2,...: the load sweep. The same slices, each at the loads where fcfs keeps the simulated
+machine busy U1, U2, ... of the window; per trace and level, pla's TTFT p50 and p99 against fcfs (median
+over the slices and the worst slice, and how many slices stay within +5 % on the p50s) and the SLO
+violations pooled. A length-aware scheduler must do no harm where there is little to reorder: at 20 %
+and 40 % pla should be within +5 % of fcfs on every slice. The bounds are not computed in a sweep.
+docs/policy_slices_models.json holds the two models of the run of 2026-12-01 04:26, so that a sweep
+needs no fit and two versions of the scheduler meet identical models.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from plaserve.bench.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
 from plaserve.bench.policies import Slice  # noqa: E402
-from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table  # noqa: E402
+from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table, sweep_table  # noqa: E402
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
 from plaserve.profile import Profile  # noqa: E402
@@ -93,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fcfs-util", type=float, default=0.75,
                    help="set each slice's load so that fcfs keeps the simulated machine busy this share of the "
                         "window (0: the fixed loads of benchmarks/policies.py)")
+    p.add_argument("--sweep", default=None,
+                   help="comma-separated fcfs utilisations (e.g. 0.2,0.4,0.6,0.75,0.9): the load sweep instead of "
+                        "the study at --fcfs-util")
     p.add_argument("--out", default=None, help="folder for policy_slices.json")
     args = p.parse_args(argv)
 
@@ -110,13 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, enable_prefix_caching=False,
                           scheduler=SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor))
     out: dict = {"cost_model": cost.as_dict(), "step_cost_model": step.as_dict(), "traces": {}}
+    if args.sweep:
+        out["sweep"] = sweep(args, config, cost, step, slo, [float(u) for u in args.sweep.split(",")])
+        write(args.out, out)
+        return 0
     for name, starts in (("code", args.code_starts), ("conv", args.conv_starts)):
         file, load = TRACES[name]
         start, stop, every = (int(x) for x in starts.split(":"))
         t0 = time.time()
         rows = []
-        for first in range(start, stop + 1, every):
-            s = Slice(name, file, first, 4000, load)
+        for s in slices_of(name, starts):
             if args.fcfs_util:
                 s = dataclasses.replace(s, load=fcfs_load(s, config, cost, slo, args.fcfs_util, step_cost=step,
                                                           length_scale=args.length_scale))
@@ -130,11 +146,47 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(pooled))
         out["traces"][name] = {"loads": [r.load for r in rows], "fcfs_util_target": args.fcfs_util or None,
                                "pooled": pooled, "table": slices_table(rows)}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "policy_slices.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    write(args.out, out)
     return 0
+
+
+def slices_of(name: str, starts: str) -> list[Slice]:
+    """The slices of trace ``name`` whose first rows ``START:STOP:STEP`` gives (STOP included)."""
+    file, load = TRACES[name]
+    start, stop, every = (int(x) for x in starts.split(":"))
+    return [Slice(name, file, first, 4000, load) for first in range(start, stop + 1, every)]
+
+
+def sweep(args: argparse.Namespace, config: EngineConfig, cost: CostModel, step: CostModel, slo: SloRule,
+          levels: list[float]) -> dict:
+    """The load sweep (module docstring): prints one table per trace, returns what the JSON keeps."""
+    out: dict = {}
+    for name, starts in (("code", args.code_starts), ("conv", args.conv_starts)):
+        t0 = time.time()
+        by_level = {}
+        for util in levels:
+            rows = []
+            for s in slices_of(name, starts):
+                s = dataclasses.replace(s, load=fcfs_load(s, config, cost, slo, util, step_cost=step,
+                                                          length_scale=args.length_scale))
+                rows.append(run_slice(s, config, cost, slo, step_cost=step, length_scale=args.length_scale,
+                                      bounds=False))
+            by_level[util] = rows
+        table = sweep_table(by_level)
+        print(f"\n== {TRACES[name][0]}: load sweep over {len(by_level[levels[0]])} slices ({time.time() - t0:.0f} s)\n")
+        print(table)
+        out[name] = {"table": table, "levels": {
+            f"{util:g}": [{"start": r.start, "load": r.load, "fcfs_util": r.fcfs_utilization,
+                           "violations": r.violations, "ttft_ms": r.ttft_ms} for r in rows]
+            for util, rows in by_level.items()}}
+    return out
+
+
+def write(folder: str | None, out: dict) -> None:
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "policy_slices.json"), "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -85,9 +85,9 @@ def test_engine_started_with_a_profile_uses_its_threshold_grid_and_costs(tmp_pat
                        runner=CostRunner(cost, clock), clock=clock)
     sched = engine.scheduler
     assert engine.cost == make_profile().cost_model
-    assert sched.config.short_threshold == 256 and sched.buckets[-1] == 256
-    assert max(b for b, _ in sched.grid_shapes()) == 4
-    assert sched.config.long_chunk_size == 1024 and sched.window.w_max == 0.03
+    assert sched.config.short_threshold == 256 and sched.shorts.buckets[-1] == 256
+    assert sched.shorts.batch_sizes[-1] == 4  # the deepest static batch the profile allows
+    assert sched.config.long_chunk_size == 1024 and sched.shorts.window.w_max == 0.03
     assert engine.load_report()["cost_model"]["source"] == "profile"
     short = engine.add_request(list(range(200)))
     long = engine.add_request(list(range(300)))

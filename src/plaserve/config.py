@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S, SloRule
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -24,11 +26,17 @@ class SchedulerConfig:
     max_consecutive_short: int = 6  # pla: short batches in a row while a long prefill waits
     max_prefill_steps_between_decodes: int = 2  # pla: steps without decodes in a row (bounds time between tokens)
     long_aging: float = 0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
+    light_load: float = 0.3  # pla: below this busy share of the last 10 s (and no short waiting) a long prefill runs whole (0: never)
     late_yield: float = 2.0  # pla: a request given up to keep others on time queues behind them until it has waited this many SLOs (0: never)
     static_short_batches: bool = True  # pla: right-pad short batches to their (batch, bucket) grid shape
     max_static_batch_tokens: int | None = None  # pla: most tokens in one padded batch (the engine sets it from cuda_graph_memory)
-    ttft_slo_factor: float = 5.0  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
-    ttft_slo_floor: float = 0.25
+    ttft_slo_factor: float = DEFAULT_FACTOR  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
+    ttft_slo_floor: float = DEFAULT_FLOOR_S
+
+    @property
+    def slo(self) -> SloRule:
+        """The TTFT SLO rule these settings give (:mod:`plaserve.slo`)."""
+        return SloRule(self.ttft_slo_factor, self.ttft_slo_floor)
 
 
 @dataclass(frozen=True)

@@ -99,12 +99,11 @@ def test_graph_memory_budget_bounds_the_grid(llama_ckpt):
     per_token = full.model_config.activation_bytes_per_token(4)  # float32 on CPU
     assert per_token > 0 and max(b * k for b, k in full.runner.grid.runners) == 2048  # 1 GiB: the step cap binds
     engine = make_engine(llama_ckpt, cuda_graph_memory=str(100 * per_token))  # room for 100 tokens
-    assert engine.scheduler.static_token_cap == 100
+    assert engine.scheduler.composer.token_cap == 100
     shapes = set(engine.runner.grid.runners)
     assert shapes and all(b * k <= 100 for b, k in shapes) and (2, 32) in shapes and (4, 32) not in shapes
     assert not any(k == 128 for _, k in shapes)  # a 128-token bucket alone is over the budget
     for n in (20, 25, 30, 18):  # four prompts of the 32-token bucket: batches of two
         engine.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=1, temperature=0))
-    engine.scheduler.next_wakeup(engine.clock())
-    plan = engine.scheduler.short_batch_plan()
-    assert plan is not None and plan[1] == 32 and len(plan[0]) == 2
+    plan = engine.scheduler.short_batch_plan(engine.clock())
+    assert plan is not None and plan.bucket == 32 and len(plan.reqs) == 2

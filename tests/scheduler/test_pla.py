@@ -8,6 +8,8 @@ import pytest
 
 from plaserve import EngineConfig, LLMEngine
 from plaserve.cost import CostModel
+from plaserve.scheduler.busy import HORIZON_S, BusyMeter
+from plaserve.scheduler.deadlines import deadline
 from plaserve.sim.replay import replay
 from plaserve.sim.runner import CostRunner, SimClock
 
@@ -37,6 +39,23 @@ def dispatch_time(runner: CostRunner, req) -> float:
     return next(start for start, _, b in runner.batches if any(it.request is req for it in b.items))
 
 
+def record_ready(engine: LLMEngine) -> dict:
+    """Wrap the scheduler's step to log, for every short request it dispatches, when it became ready
+    (its batch's window closed, or it rode along a long chunk): the head-of-line guarantee's start."""
+    sched, ready = engine.scheduler, {}
+    inner = sched.schedule
+
+    def logged(now):
+        batch = inner(now)
+        for it in batch.items:
+            if it.request in sched.shorts.ready:
+                ready.setdefault(it.request, sched.shorts.ready[it.request])
+        return batch
+
+    sched.schedule = logged
+    return ready
+
+
 def mixed_arrivals(longs: tuple[int, int] = (8000, 6000)) -> list[A]:
     arrivals = [A(0.0, longs[0], 4), A(0.3, longs[1], 4)]
     arrivals += [A(0.01 + 0.037 * i, 40 + (i * 97) % 460, 6) for i in range(60)]
@@ -47,6 +66,7 @@ def mixed_arrivals(longs: tuple[int, int] = (8000, 6000)) -> list[A]:
 @pytest.mark.parametrize("longs", [(8000, 6000), (7900, 5800)])  # the second pair ends in stretched chunks
 def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad, longs):
     engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad)
+    readiness = record_ready(engine)
     reqs = replay(engine, clock, mixed_arrivals(longs))
     if longs == (7900, 5800):
         last_chunks = {r.num_prompt_tokens: r.metrics.prefill_chunks[-1][2] for r in reqs if r.length_class == "long"}
@@ -55,7 +75,7 @@ def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad, longs):
     assert len(shorts) == 60 and all(r.finished for r in reqs)
     assert steps_between(runner, 0, clock.now, "long") > 10  # longs really were interleaved
     for r in shorts:
-        ready, start = r.metrics.ready_time, dispatch_time(runner, r)
+        ready, start = readiness.get(r), dispatch_time(runner, r)
         assert ready is not None and ready <= start
         assert steps_between(runner, ready, start, "long") <= 1
 
@@ -63,14 +83,14 @@ def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad, longs):
 def record_windows(engine: LLMEngine) -> list[float]:
     """Wrap the scheduler's window rule to log every window it opens (close time - oldest arrival)."""
     sched, widths = engine.scheduler, []
-    inner = sched.short_ready_at
+    inner = sched.shorts.ready_at
 
-    def logged(plan):
-        at = inner(plan)
-        widths.append(at - min(r.metrics.arrival_time for r in plan[0]))  # from its oldest member
+    def logged(batch):
+        at = inner(batch)
+        widths.append(at - min(r.metrics.arrival_time for r in batch.reqs))  # from its oldest member
         return at
 
-    sched.short_ready_at = logged
+    sched.shorts.ready_at = logged
     return widths
 
 
@@ -87,19 +107,6 @@ def test_window_never_exceeds_w_max():
     sizes = [len(b.items) for _, _, b in runner.batches if b.kind == "short"]
     assert max(sizes) > 4
     assert widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001  # it did wait, within bounds
-
-
-@pytest.mark.parametrize("pad", ["always", "never"])
-def test_deadline_slack_dispatches_before_the_window_ends(pad):
-    # A 0.5 s window, but a TTFT SLO of 0.1 s: the batch must leave early to meet it.
-    engine, clock, runner = sim_engine(policy="pla", w_min=0.5, w_max=0.5, ttft_slo_floor=0.1,
-                                       ttft_slo_factor=1.0, long_chunk_size=256, pad_short_batches=pad)
-    (req,) = replay(engine, clock, [A(0.0, 100)])
-    waited = dispatch_time(runner, req)
-    margin = COST.prefill_time(256)
-    exec_time = COST.batch_time([(128 if pad == "always" else 100, 0)])  # padded to its bucket, or not
-    assert waited == pytest.approx(0.1 - exec_time - margin)
-    assert req.metrics.ttft <= 0.1
 
 
 def test_long_request_progresses_within_the_bound_under_a_stream_of_shorts():
@@ -154,13 +161,13 @@ def test_a_long_prefill_leaves_no_stub_of_under_half_a_chunk(tokens, chunks):
 def test_long_chunk_stretch_counts_uncached_tokens_and_keeps_to_the_step_budget():
     engine, _, _ = sim_engine(policy="pla", long_chunk_size=512)
     (req,) = queue(engine, [A(0.0, 1000)])
-    sched = engine.scheduler
-    assert sched.long_chunk_budget([req]) == 512  # 1000 to go: more than 1.5 chunks
+    longs = engine.scheduler.longs
+    assert longs.chunk_budget([req]) == 512  # 1000 to go: more than 1.5 chunks
     req.uncached_estimate = 600  # as if its first 400 tokens were in the prefix cache
-    assert sched.long_chunk_budget([req]) == 600
+    assert longs.chunk_budget([req]) == 600
     engine, _, _ = sim_engine(policy="pla", long_chunk_size=512, max_num_batched_tokens=580)
     (req,) = queue(engine, [A(0.0, 600)])
-    assert engine.scheduler.long_chunk_budget([req]) == 512  # 600 would exceed the step budget
+    assert engine.scheduler.longs.chunk_budget([req]) == 512  # 600 would exceed the step budget
 
 
 def carries_decodes(batch) -> bool:
@@ -201,31 +208,6 @@ def test_classification_uses_the_prefix_cache():
     assert follow_up.length_class == "short" and follow_up.uncached_estimate < 512
 
 
-@pytest.mark.parametrize("pad", ["always", "never"])
-def test_waiting_shorts_ride_along_long_chunks_only_without_static_batches(pad):
-    chunk = 512
-    # Windows longer than a chunk: shorts are still waiting in theirs when the next chunk starts.
-    engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad, long_chunk_size=chunk, w_min=0.3,
-                                       w_max=0.3, ttft_slo_floor=5.0)
-    # A long prompt under way, then shorts arriving while it runs.
-    arrivals = [A(0.0, 4000, 2)] + [A(0.01 + 0.002 * i, 60 + 37 * i, 2) for i in range(6)]
-    reqs = replay(engine, clock, arrivals)
-    assert all(r.finished for r in reqs)
-    long_steps = [b for _, _, b in runner.batches if b.kind == "long"]
-    riders = [[it for it in b.items if it.request.length_class == "short" and it.num_tokens > 1] for b in long_steps]
-    if pad == "always":  # static runners: shorts keep to their padded batches
-        assert not any(riders)
-        return
-    assert any(riders)
-    for b, rs in zip(long_steps, riders):
-        assert sum(it.num_tokens for it in rs) <= chunk  # at most another chunk's worth of riders
-        assert all(it.num_tokens == it.request.num_prompt_tokens for it in rs)  # each whole
-        long_tokens = sum(it.num_tokens for it in b.items if it.request.length_class == "long")
-        assert long_tokens <= chunk
-    for r in reqs[1:]:  # every short still counts as dispatched within the head-of-line bound
-        assert r.metrics.ready_time is not None
-
-
 def queue(engine: LLMEngine, arrivals: list[A]) -> list:
     """Add ``arrivals`` to the engine without stepping it."""
     return [engine.add_request([(7 * i + a.prompt_tokens) % 500 for i in range(a.prompt_tokens)],
@@ -239,8 +221,8 @@ def test_short_batch_keeps_its_on_time_members_on_time(pad):
     engine, _, _ = sim_engine(policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=1.0)
     reqs = queue(engine, [A(0.0, 400)] * 3 + [A(0.0, 50)] * 3)
     sched = engine.scheduler
-    sched.at(0.0)
-    batch, bucket = sched.short_batch_plan()
+    formed = sched.short_batch_plan(0.0)
+    batch, bucket = formed.reqs, formed.bucket
 
     def predicted(members):
         return COST.batch_time([(bucket or m.num_prompt_tokens, 0) for m in members])
@@ -258,14 +240,13 @@ def test_short_batch_deadline_check_counts_the_decodes_riding_along():
     engine, _, _ = sim_engine(policy="pla", pad_short_batches="never", ttft_slo_floor=0.1, ttft_slo_factor=1.0)
     queue(engine, [A(0.0, 400)] * 2 + [A(0.0, 50)] * 2)
     sched = engine.scheduler
-    sched.at(0.0)
-    alone, _ = sched.short_batch_plan()  # 400, 400, 50, 50: 95 ms predicted
+    alone = sched.short_batch_plan(0.0).reqs  # 400, 400, 50, 50: 95 ms predicted
     decoders = queue(sim_engine()[0], [A(0.0, 300)] * 80)  # ~8.5 ms of decode tokens in every varlen step
     sched.decoding = lambda: decoders
-    sched.at(0.0)  # a new decision: riders and the late set computed afresh
-    riding = sched.rider_time()
+    plan = sched.plan(0.0)  # a new decision: riders and the late set computed afresh
+    riding = plan.rider_time
     assert riding == pytest.approx(COST.batch_time([(1, 300)] * 80) - COST.c0)
-    batch, _ = sched.short_batch_plan()
+    batch = sched.short_batch(plan).reqs
     assert len(alone) == 4 and len(batch) < len(alone)
     assert COST.batch_time([(m.num_prompt_tokens, 0) for m in batch]) + riding <= 0.1
 
@@ -274,12 +255,12 @@ def test_late_requests_yield_to_on_time_ones_for_a_bounded_time():
     engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.1, ttft_slo_factor=1.0, late_yield=2.0)
     early, later = queue(engine, [A(0.0, 100), A(0.14, 100)])
     sched = engine.scheduler
-    sched.at(0.15)  # `early` can no longer make its 0.1 s deadline; `later` can
-    assert sched.yields(early) and not sched.yields(later)
-    assert sched.short_candidates() == [later, early]
-    sched.at(0.2)  # waited 2 SLOs: it takes its place by deadline again
-    assert not sched.yields(early)
-    assert sched.short_candidates() == [early, later]
+    plan = sched.plan(0.15)  # `early` can no longer make its 0.1 s deadline; `later` can
+    assert plan.yields(early) and not plan.yields(later)
+    assert sched.shorts.candidates(sched.waiting, plan) == [later, early]
+    plan = sched.plan(0.2)  # waited 2 SLOs: it takes its place by deadline again
+    assert not plan.yields(early)
+    assert sched.shorts.candidates(sched.waiting, plan) == [early, later]
 
 
 @pytest.mark.parametrize("pad", ["always", "never"])
@@ -288,11 +269,12 @@ def test_head_of_line_bound_holds_in_an_overload(pad):
     # enough that many are given up: being given up must not push a ready request back in the queue.
     arrivals = [A(0.0, 6000, 2), A(0.2, 5000, 2)] + [A(0.005 * i, 60 + (i * 53) % 400, 2) for i in range(200)]
     engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=2.0)
+    readiness = record_ready(engine)
     reqs = replay(engine, clock, sorted(arrivals, key=lambda a: a.arrival))
     shorts = [r for r in reqs if r.length_class == "short"]
     assert sum(r.metrics.ttft > r.ttft_slo for r in shorts) > 50  # a real overload
     for r in shorts:
-        ready, start = r.metrics.ready_time, dispatch_time(runner, r)
+        ready, start = readiness.get(r), dispatch_time(runner, r)
         assert ready is not None and ready <= start
         assert steps_between(runner, ready, start, "long") <= 1
 
@@ -302,13 +284,12 @@ def test_a_request_yields_when_serving_it_would_make_several_others_late():
     # one of the three shorts (0.05 s each) would make theirs: the fewest-late order gives it up.
     engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.3, ttft_slo_factor=1.0, late_yield=2.0)
     long, *shorts = queue(engine, [A(0.0, 2000)] + [A(0.001, 480)] * 3)
-    sched = engine.scheduler
-    sched.at(0.001)
-    assert sched._now + COST.prefill_time(2000) < sched.deadline(long)  # on time if it ran alone
-    assert sched.late_set() == {long}
-    assert sched.yields(long) and not any(sched.yields(r) for r in shorts)
-    sched.at(0.6)  # waited 2 SLOs: it no longer yields
-    assert not sched.yields(long)
+    plan = engine.scheduler.plan(0.001)
+    assert plan.now + COST.prefill_time(2000) < deadline(long)  # on time if it ran alone
+    assert plan.late == {long}
+    assert plan.yields(long) and not any(plan.yields(r) for r in shorts)
+    plan = engine.scheduler.plan(0.6)  # waited 2 SLOs: it no longer yields
+    assert not plan.yields(long)
 
 
 def test_yielding_cuts_slo_violations_in_a_burst():
@@ -329,7 +310,54 @@ def test_a_request_arriving_at_the_same_time_joins_the_late_set():
     engine, _, _ = sim_engine(policy="pla", ttft_slo_floor=0.3, ttft_slo_factor=1.0, late_yield=2.0)
     shorts = queue(engine, [A(0.001, 480)] * 3)
     sched = engine.scheduler
-    sched.at(0.001)
-    assert sched.late_set() == set()
-    long, = queue(engine, [A(0.0, 2000)])  # same scheduling time, a new request: the set is recomputed
-    assert sched.late_set() == {long} and not any(sched.yields(r) for r in shorts)
+    assert sched.plan(0.001).late == set()
+    long, = queue(engine, [A(0.0, 2000)])  # same scheduling time, a new request: the next decision's plan has it
+    plan = sched.plan(0.001)
+    assert plan.late == {long} and not any(plan.yields(r) for r in shorts)
+
+
+def test_no_harm_at_light_load():
+    # Sparse requests, shorts and longs in turn, on a machine busy a few percent of the time: there is
+    # nothing to reorder, so once the busy meter has watched a whole horizon pla serves every request
+    # exactly as fcfs does (a short at once, a long prompt in one step).
+    arrivals = [A(0.7 * i, 1800 if i % 3 == 0 else 40 + 30 * i, 4) for i in range(40)]
+    ttft = {}
+    for policy in ("fcfs", "pla"):
+        engine, clock, runner = sim_engine(policy=policy, pad_short_batches="never")
+        reqs = replay(engine, clock, arrivals)
+        ttft[policy] = [r.metrics.ttft for r in reqs]
+        if policy == "pla":
+            warm = [r for r in reqs if r.metrics.arrival_time >= HORIZON_S and r.length_class == "long"]
+            assert warm and all(len(r.metrics.prefill_chunks) == 1 for r in warm)
+            cold = [r for r in reqs if r.metrics.arrival_time < HORIZON_S and r.length_class == "long"]
+            assert all(len(r.metrics.prefill_chunks) > 1 for r in cold)  # no evidence of light load yet
+    for a, f, p in zip(arrivals, ttft["fcfs"], ttft["pla"]):
+        if a.arrival >= HORIZON_S:
+            assert p == pytest.approx(f)
+
+
+@pytest.mark.parametrize("light_load", [0.3, 1.0])
+def test_long_prefills_stay_chunked_while_the_machine_is_busy(light_load):
+    # Shorts keep the machine about half busy; a long prompt arriving in a gap between them, with no
+    # short waiting, is still cut into chunks, so the shorts that follow pass it (with light_load 1.0
+    # every machine counts as lightly loaded: the prompt runs whole).
+    shorts = [A(0.045 * i, 200, 1) for i in range(400)]
+    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never", light_load=light_load)
+    reqs = replay(engine, clock, sorted(shorts + [A(15.01, 1800, 1)], key=lambda a: a.arrival))
+    (long,) = [r for r in reqs if r.num_prompt_tokens == 1800]
+    if light_load == 1.0:
+        assert len(long.metrics.prefill_chunks) == 1
+        return
+    busy = sum(min(end, 15.0) - max(start, 5.0) for start, end, _ in runner.batches if start < 15.0 and end > 5.0)
+    assert busy / 10.0 > 0.3  # the busy share pla reads when the long prompt arrives
+    assert len(long.metrics.prefill_chunks) > 1
+
+
+def test_busy_meter_reads_the_share_of_its_horizon_after_watching_one():
+    meter = BusyMeter(horizon=10.0)
+    meter.record(0.0, 1.0)
+    assert meter.share(5.0) is None  # not a whole horizon watched yet
+    meter.record(10.0, 12.0)
+    assert meter.share(10.5) == pytest.approx((0.5 + 0.5) / 10)  # [0.5, 1] and [10, 10.5]
+    assert meter.share(20.0) == pytest.approx(2.0 / 10)
+    assert meter.share(30.0) == 0.0

@@ -25,7 +25,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import csr_array
 
 from plaserve.cost import CostModel
-from plaserve.scheduler.policy import moore_hodgson_late
+from plaserve.scheduler.deadlines import moore_hodgson_late
 
 
 @dataclass(frozen=True)

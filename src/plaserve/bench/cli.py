@@ -15,6 +15,7 @@ from plaserve.bench.client import ClientConfig, run_requests
 from plaserve.bench.report import format_table, plot, summarize, write_run
 from plaserve.bench.slo import TtftSlo
 from plaserve.bench.trace import load_trace, scale_requests, synthetic_bimodal
+from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,8 +38,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name (default: the server's first model)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--short-threshold", type=int, default=512, help="prompts shorter than this are 'short'")
-    p.add_argument("--slo-factor", type=float, default=5.0, help="TTFT SLO = max(floor, factor x predicted prefill)")
-    p.add_argument("--slo-floor-ms", type=float, default=250.0)
+    p.add_argument("--slo-factor", type=float, default=DEFAULT_FACTOR,
+                   help="TTFT SLO = max(floor, factor x predicted prefill)")
+    p.add_argument("--slo-floor-ms", type=float, default=DEFAULT_FLOOR_S * 1000)
     p.add_argument("--slo-short-ms", type=float, default=500.0, help="fixed short SLO when the server has no cost model")
     p.add_argument("--slo-long-ms", type=float, default=5000.0, help="fixed long SLO when the server has no cost model")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")

@@ -25,19 +25,9 @@ from plaserve.engine.engine import LLMEngine
 from plaserve.engine.request import Request, SamplingParams
 from plaserve.model.loader import LoadedModel
 from plaserve.sim.replay import random_prompt
+from plaserve.slo import SloRule  # the scheduler's rule (the benchmarks import it from here)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SloRule:
-    """TTFT SLO of a request: ``max(floor, factor * predicted isolated prefill time)``."""
-
-    factor: float = 5.0
-    floor: float = 0.5
-
-    def ttft(self, cost: CostModel, prompt_tokens: int) -> float:
-        return max(self.floor, self.factor * cost.prefill_time(prompt_tokens))
 
 
 def fit_cost_model(engine: LLMEngine, lengths: Sequence[int] = (32, 128, 512, 1024, 2048), repeats: int = 3,
@@ -112,7 +102,7 @@ def run_policy(loaded: LoadedModel, config: EngineConfig, cost: CostModel, arriv
     wall = engine.clock() - t0
     for r in reqs:  # anything left unfinished at the deadline stays unfinished (no first token)
         r.metrics.arrival_time -= t0
-        for name in ("first_token_time", "finish_time", "first_scheduled_time", "ready_time"):
+        for name in ("first_token_time", "finish_time", "first_scheduled_time"):
             v = getattr(r.metrics, name)
             if v is not None:
                 setattr(r.metrics, name, v - t0)

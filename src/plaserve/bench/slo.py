@@ -11,13 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S, SloRule
+
 
 @dataclass(frozen=True)
 class TtftSlo:
     """How each request's TTFT SLO (seconds) is set."""
 
-    factor: float = 5.0
-    floor_s: float = 0.25
+    factor: float = DEFAULT_FACTOR
+    floor_s: float = DEFAULT_FLOOR_S
     short_s: float = 0.5  # fixed SLOs, used when there is no cost model
     long_s: float = 5.0
     short_threshold: int = 512
@@ -34,7 +36,7 @@ class TtftSlo:
         """The TTFT SLO of a request with ``prompt_tokens`` fresh prompt tokens."""
         predicted = self.predicted_prefill(prompt_tokens)
         if predicted is not None:
-            return max(self.floor_s, self.factor * predicted)
+            return SloRule(self.factor, self.floor_s).for_prefill(predicted)
         return self.short_s if prompt_tokens < self.short_threshold else self.long_s
 
     def describe(self) -> str:

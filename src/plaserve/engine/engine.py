@@ -21,7 +21,7 @@ from plaserve.model.tokenizer import IncrementalDetokenizer
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.model.tokenizer import load_tokenizer
 from plaserve.scheduler.base import ScheduledBatch
-from plaserve.scheduler.policy import POLICIES, PlaScheduler
+from plaserve.scheduler.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,9 @@ class LLMEngine:
             kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
                                             cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
             runner = ModelRunner(loaded.model, kv_caches, config.block_size, self.device)
-            if isinstance(self.scheduler, PlaScheduler) and sched.static_short_batches:
-                runner.build_grid(self.scheduler.grid_shapes(), capture=config.use_cuda_graphs)
+            shapes = self.scheduler.static_shapes()
+            if shapes:
+                runner.build_grid(shapes, capture=config.use_cuda_graphs)
         self.runner = runner
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -319,7 +320,8 @@ class LLMEngine:
             # Prefill-only steps: decode steps follow other costs (memory traffic, per-step overhead).
             self.online.observe(work, end - start)
             if self.online.model is not self.cost:
-                self.cost = self.scheduler.cost = self.online.model
+                self.cost = self.online.model
+                self.scheduler.set_cost_model(self.cost)
         self.num_steps += 1
         self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S, SloRule
+
 POLICIES = ("pla", "round_robin", "least_requests", "least_tokens", "power_of_two")
 
 
@@ -35,12 +37,12 @@ class SloConfig:
     """The TTFT objective the pool controller steers by: ``max(floor_s, factor * predicted prefill)``,
     the same rule as ``plaserve bench`` and the engine's scheduler use."""
 
-    factor: float = 5.0
-    floor_s: float = 0.25
+    factor: float = DEFAULT_FACTOR
+    floor_s: float = DEFAULT_FLOOR_S
 
     def for_cost(self, cost_s: float) -> float:
         """The TTFT SLO of a request whose isolated prefill is predicted to take ``cost_s``."""
-        return max(self.floor_s, self.factor * cost_s)
+        return SloRule(self.factor, self.floor_s).for_prefill(cost_s)
 
 
 @dataclass(frozen=True)

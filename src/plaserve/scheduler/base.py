@@ -3,6 +3,8 @@
 A policy subclasses :class:`Scheduler` and implements :meth:`Scheduler.schedule`, which picks the work
 of one engine step as a :class:`ScheduledBatch`. The scheduler never touches the model: the engine (or
 a test, or the simulator) executes the batch and reports back with :meth:`Scheduler.on_batch_done`.
+What the engine needs of any policy goes through this class: the static shapes to build runners for
+(:meth:`Scheduler.static_shapes`) and the cost model to schedule by (:meth:`Scheduler.set_cost_model`).
 """
 
 from __future__ import annotations
@@ -70,8 +72,17 @@ class Scheduler:
         uncached = req.num_prompt_tokens - self.kv.peek_prefix(req.token_ids[:req.num_reusable_tokens])
         req.uncached_estimate = uncached
         req.length_class = "short" if uncached < self.config.short_threshold else "long"
-        req.ttft_slo = max(self.config.ttft_slo_floor, self.config.ttft_slo_factor * self.cost.prefill_time(uncached))
+        req.ttft_slo = self.config.slo.ttft(self.cost, uncached)
         self.waiting.append(req)
+
+    def static_shapes(self) -> list[tuple[int, int]]:
+        """The ``(batch, bucket)`` shapes the policy runs right-padded batches in: the static runners
+        (CUDA graphs) the engine builds. None by default: every step runs varlen."""
+        return []
+
+    def set_cost_model(self, cost: CostModel) -> None:
+        """Schedule by ``cost`` from the next decision on (the engine's online refit replaces it)."""
+        self.cost = cost
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

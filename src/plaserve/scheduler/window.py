@@ -2,9 +2,10 @@
 
 Short requests wait at the head of the short queue for a window ``W`` so that more can join their
 batch. ``W`` follows the arrival rate: the window is the time a full batch is expected to take to
-arrive, when that is within ``W_max``; otherwise waiting would not fill the batch anyway, so the window
-shrinks to ``W_min``. The batch also leaves early when it is full or when a request's deadline slack
-runs out (see :class:`~plaserve.scheduler.policy.PlaScheduler`).
+arrive, at least ``W_min``, when that is within ``W_max``; otherwise waiting would not fill the batch,
+and the window stays shut (``W = 0``): at light load a short request leaves at once. The batch also
+leaves early when it is full or when a request's deadline slack runs out
+(:meth:`~plaserve.scheduler.short_queue.ShortQueue.ready_at`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class AdaptiveWindow:
         self.last_arrival = t
 
     def width(self, batch_target: int, queued: int) -> float:
-        """Window for a batch that has ``queued`` requests and could take ``batch_target``."""
+        """Window for a batch that has ``queued`` requests and could take ``batch_target``: 0 when it is
+        full, when no rate is known yet, or when the batch would not fill within ``W_max``."""
         if self.mean_gap is None or queued >= batch_target:
-            return self.w_min
+            return 0.0
         fill_time = (batch_target - queued) * self.mean_gap
-        return min(max(fill_time, self.w_min), self.w_max) if fill_time <= self.w_max else self.w_min
+        return max(fill_time, self.w_min) if fill_time <= self.w_max else 0.0

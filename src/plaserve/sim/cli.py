@@ -26,6 +26,7 @@ from plaserve.scheduler.policy import POLICIES as SCHEDULER_POLICIES
 from plaserve.sim.cluster import ClusterConfig, SimResult, simulate
 from plaserve.sim.profiles import SimProfile, load_sim_profile
 from plaserve.sim.sweep import SweepPoint, at_rate, capacity, mean_rate
+from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S
 
 
 def parse_values(text: str) -> list[float]:
@@ -68,8 +69,9 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-scale", type=float, default=1.0, help="multiply prompt and output lengths")
     p.add_argument("--max-prompt-tokens", type=int, default=None)
     p.add_argument("--max-output-tokens", type=int, default=None)
-    p.add_argument("--slo-factor", type=float, default=5.0, help="TTFT SLO = max(floor, factor x predicted prefill)")
-    p.add_argument("--slo-floor-ms", type=float, default=250.0)
+    p.add_argument("--slo-factor", type=float, default=DEFAULT_FACTOR,
+                   help="TTFT SLO = max(floor, factor x predicted prefill)")
+    p.add_argument("--slo-floor-ms", type=float, default=DEFAULT_FLOOR_S * 1000)
     p.add_argument("--slo-target", type=float, default=0.05, help="sweeps: allowed share of SLO violations")
     p.add_argument("--refine", type=int, default=3, help="sweeps: bisection steps after the grid")
     p.add_argument("--drain", type=float, default=None,

@@ -54,6 +54,7 @@ from plaserve.router.pools import LONG, SHORT
 from plaserve.router.workers import LoadReport, Worker
 from plaserve.sim.profiles import SimProfile
 from plaserve.sim.runner import CostRunner, SimClock
+from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S
 
 # Event priorities at equal times (module docstring).
 DELIVER, POLL, ARRIVAL, TICK, RELEASE, STEP = range(6)
@@ -76,8 +77,8 @@ class ClusterConfig:
     instances: int = 1
     scheduler: str = "pla"  # the engines' step policy
     router: RouterConfig = field(default_factory=RouterConfig)
-    slo_factor: float = 5.0  # TTFT SLO = max(floor, factor x predicted isolated prefill): plaserve bench's rule
-    slo_floor_s: float = 0.25
+    slo_factor: float = DEFAULT_FACTOR  # TTFT SLO = max(floor, factor x predicted isolated prefill): plaserve.slo
+    slo_floor_s: float = DEFAULT_FLOOR_S
     drain_s: float | None = None
     report_threshold: int | None = None
     seed: int = 0  # prompt token ids
