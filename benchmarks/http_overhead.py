@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from plaserve import EngineConfig, LLMEngine, SamplingParams
-from plaserve.server.launcher import ServerProcess
+from plaserve.launcher import ServerProcess
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
-from plaserve.router.launcher import RouterProcess  # noqa: E402
-from plaserve.server.launcher import free_port  # noqa: E402
+from plaserve.launcher import RouterProcess  # noqa: E402
+from plaserve.launcher import free_port  # noqa: E402
 
 BODY = {"prompt": list(range(10, 110)), "max_tokens": 1, "temperature": 0.0}
 

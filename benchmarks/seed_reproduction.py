@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from plaserve.bench.trace import TraceRequest, load_trace  # noqa: E402
+from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
 from plaserve.router.config import RouterConfig  # noqa: E402
 from plaserve.sim.cluster import ClusterConfig, SimResult, simulate  # noqa: E402
 from plaserve.sim.profiles import analytic_profile  # noqa: E402

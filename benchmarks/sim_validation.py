@@ -62,7 +62,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from plaserve.bench.offline import SloRule, fit_cost_model, run_policy, to_record  # noqa: E402
-from plaserve.bench.trace import TraceRequest, load_trace  # noqa: E402
+from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
 from plaserve.cost import CostModel, OnlineCostModel  # noqa: E402
 from plaserve.engine.engine import LLMEngine, batch_work  # noqa: E402

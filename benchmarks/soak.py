@@ -36,9 +36,9 @@ from typing import Any
 
 import aiohttp
 
-from plaserve.bench.trace import load_trace
-from plaserve.router.launcher import RouterProcess
-from plaserve.server.launcher import PlaserveProcess, ServerProcess
+from plaserve.workload.trace import load_trace
+from plaserve.launcher import RouterProcess
+from plaserve.launcher import PlaserveProcess, ServerProcess
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
 SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--policy", "pla"]

@@ -13,8 +13,8 @@ __all__ = ["LLM", "LLMEngine", "EngineConfig", "SchedulerConfig", "RequestOutput
 __version__ = "0.1.0"
 
 _WHERE = {"LLM": "plaserve.engine.llm", "LLMEngine": "plaserve.engine.engine", "EngineConfig": "plaserve.config",
-          "SchedulerConfig": "plaserve.config", "RequestOutput": "plaserve.engine.request",
-          "SamplingParams": "plaserve.engine.request"}
+          "SchedulerConfig": "plaserve.config", "RequestOutput": "plaserve.request",
+          "SamplingParams": "plaserve.request"}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,7 @@ from plaserve.plotting import pyplot
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, Sample, fit, fit_quality
 from plaserve.engine.engine import LLMEngine
-from plaserve.engine.request import SamplingParams
+from plaserve.request import SamplingParams
 from plaserve.profile import (Profile, choose_long_chunk_size, choose_max_short_batch, choose_short_threshold,
                               choose_window, fingerprint)
 from plaserve.scheduler.base import BatchItem, ScheduledBatch

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from plaserve.bench.client import ClientConfig, fit_to_context, prompt_token_ids
-from plaserve.bench.trace import TraceRequest, synthetic_bimodal
+from plaserve.bench.client import ClientConfig, prompt_token_ids
+from plaserve.workload.trace import fit_to_context
+from plaserve.workload.trace import TraceRequest, synthetic_bimodal
 from plaserve.cli import main
-from plaserve.server.launcher import ServerProcess
+from plaserve.launcher import ServerProcess
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from plaserve.bench.report import RequestRecord, format_table, plot, summarize
+from plaserve.workload.report import RequestRecord, format_table, plot, summarize
 
 
 def _records() -> list[RequestRecord]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from plaserve.bench.slo import TtftSlo, cost_from_load
+from plaserve.workload.slo import TtftSlo, cost_from_load
 
 
 def test_slo_from_the_cost_model() -> None:

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from plaserve.bench.trace import TraceRequest, load_trace, parse_timestamp, scale_requests, synthetic_bimodal
+from plaserve.workload.trace import TraceRequest, load_trace, parse_timestamp, scale_requests, synthetic_bimodal
 
 AZURE_CODE = "/work/shared/traces/azure_code_2023.csv"
 

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plaserve.engine.kv_cache import NULL_BLOCK, BlockAllocator, parse_memory
+from plaserve.kv_blocks import NULL_BLOCK, BlockAllocator
+from plaserve.engine.kv_cache import parse_memory
 
 
 def check_invariants(alloc: BlockAllocator, owners: list[list[int]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plaserve.engine.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
+from plaserve.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
 from plaserve.engine.sampler import _filter_top_k_top_p, apply_penalties, sample, unusable_rows
 
 

@@ -12,7 +12,7 @@ from plaserve.testing.fake_gpu import FakeGpuConfig, FakeGpuServer
 from plaserve.cost import CostModel
 from plaserve.router.config import HealthConfig, RouterConfig
 from plaserve.router.proxy import Router, serve
-from plaserve.server.launcher import free_port
+from plaserve.launcher import free_port
 
 # 0.1 ms per token: a 1,000-token prompt takes 0.1 s, a 100-token one 10 ms.
 TEST_COST = CostModel(g1=1e-4, g2=0.0, source="test")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from plaserve.router.launcher import RouterProcess
-from plaserve.server.launcher import ServerProcess
+from plaserve.launcher import RouterProcess
+from plaserve.launcher import ServerProcess
 
 from ..server.test_faults import REGRESSIONS, assert_openai_error
 

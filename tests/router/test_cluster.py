@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 import plaserve
-from plaserve.server.launcher import free_port
+from plaserve.launcher import free_port
 
 
 def test_cluster_starts_workers_routes_and_stops_everything(qwen2_ckpt):

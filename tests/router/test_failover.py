@@ -13,7 +13,7 @@ import aiohttp
 from plaserve.testing.fake_gpu import FakeGpuServer, spawn
 from plaserve.router.config import RouterConfig
 from plaserve.router.proxy import Router, serve
-from plaserve.server.launcher import free_port
+from plaserve.launcher import free_port
 
 from .conftest import FAST_HEALTH, gpu
 from .test_proxy import metric
@@ -21,9 +21,9 @@ from .test_proxy import metric
 GPU = gpu(tbt_s=0.05, max_output_tokens=10)  # 2,000-token prompts: 0.2 s prefill, then 0.45 s of tokens
 
 
-async def outcome(session: aiohttp.ClientSession, url: str, prompt: list[int] | None = None) -> str:
+async def outcome(session: aiohttp.ClientSession, url: str) -> str:
     """'ok' (10 tokens and [DONE]), 'stream_error' (an error event, then [DONE]) or 'http_<status>'."""
-    body = {"prompt": prompt or list(range(2000)), "max_tokens": 10, "stream": True, "ignore_eos": True}
+    body = {"prompt": list(range(2000)), "max_tokens": 10, "stream": True}
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             return f"http_{resp.status}"

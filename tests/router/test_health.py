@@ -12,7 +12,7 @@ from plaserve.cost import CostModel
 from plaserve.router.config import BreakerConfig, HealthConfig
 from plaserve.router.health import WorkerMonitor, parse_age
 from plaserve.router.workers import Worker
-from plaserve.server.launcher import free_port
+from plaserve.launcher import free_port
 
 
 @pytest.mark.parametrize("body, age", [({"age_s": 0.25}, 0.25), ({"age_s": 0}, 0.0), ({}, 0.0),

@@ -8,7 +8,7 @@ import time
 
 from plaserve.cost import CostModel
 from plaserve.router.config import BreakerConfig, RouterConfig
-from plaserve.server.launcher import free_port
+from plaserve.launcher import free_port
 
 from .conftest import FAST_HEALTH, cluster, gpu
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from plaserve.server.launcher import ServerProcess
+from plaserve.launcher import ServerProcess
 
 BASE_ARGS = ["--kv-cache-memory", "64MiB"]
 

@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 
 from plaserve.server.connections import ErrorGuard, http_protocol
-from plaserve.server.launcher import ServerProcess, free_port
+from plaserve.launcher import ServerProcess, free_port
 
 TIMEOUT = 1.0
 

@@ -9,7 +9,7 @@ import pytest
 
 from plaserve import EngineConfig, LLMEngine
 from plaserve.cost import CostModel
-from plaserve.engine.request import SamplingParams
+from plaserve.request import SamplingParams
 from plaserve.server.engine_loop import EngineLoop, OutputSink, Submission
 
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plaserve.server.launcher import ServerProcess
+from plaserve.launcher import ServerProcess
 
 MAX_MODEL_LEN = 96  # bounds every generation the fuzzer can ask for (n * max_tokens stays small)
 

@@ -22,7 +22,7 @@ from plaserve import EngineConfig, LLMEngine
 from plaserve.server.app import build_app
 from plaserve.server.connections import http_protocol
 from plaserve.server.engine_loop import EngineLoop
-from plaserve.server.launcher import free_port
+from plaserve.launcher import free_port
 
 from .test_faults import wait_idle
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from plaserve import LLMEngine
-from plaserve.bench.trace import TraceRequest, load_trace, synthetic_bimodal
+from plaserve.workload.trace import TraceRequest, load_trace, synthetic_bimodal
 from plaserve.router.config import RouterConfig
 from plaserve.router.policies import LeastTokens, PlaPolicy
 from plaserve.sim.cluster import ClusterConfig, ClusterSim, simulate

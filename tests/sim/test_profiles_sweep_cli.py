@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from plaserve.bench.trace import synthetic_bimodal
+from plaserve.workload.trace import synthetic_bimodal
 from plaserve.cli import main
 from plaserve.profile import Profile
 from plaserve.router.config import RouterConfig

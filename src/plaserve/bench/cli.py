@@ -1,6 +1,6 @@
 """``plaserve bench``: replay a trace (or a synthetic bimodal mix) against a server and report by class.
 
-Writes to ``--out``: ``summary.json`` (see :mod:`plaserve.bench.report`), ``run.json`` (the settings,
+Writes to ``--out``: ``summary.json`` (see :mod:`plaserve.workload.report`), ``run.json`` (the settings,
 scaling and SLO of the run), ``requests.jsonl`` (one record per request) and the plots.
 """
 
@@ -12,9 +12,9 @@ import os
 import sys
 
 from plaserve.bench.client import ClientConfig, run_requests
-from plaserve.bench.report import format_table, plot, summarize, write_run
-from plaserve.bench.slo import TtftSlo
-from plaserve.bench.trace import load_trace, scale_requests, synthetic_bimodal
+from plaserve.workload.report import format_table, plot, summarize, write_run
+from plaserve.workload.slo import TtftSlo
+from plaserve.workload.trace import load_trace, scale_requests, synthetic_bimodal
 from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S
 
 

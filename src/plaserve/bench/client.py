@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from plaserve.bench.report import RequestRecord
-from plaserve.bench.slo import TtftSlo, cost_from_load
-from plaserve.bench.trace import TraceRequest
+from plaserve.workload.report import RequestRecord
+from plaserve.workload.slo import TtftSlo, cost_from_load
+from plaserve.workload.trace import TraceRequest, fit_to_context
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,6 @@ def prompt_token_ids(n: int, index: int, cfg: ClientConfig) -> list[int]:
     rng = random.Random(cfg.seed * 1_000_003 + index)
     lo, hi = cfg.token_id_range
     return [rng.randrange(lo, hi) for _ in range(n)]
-
-
-def fit_to_context(req: TraceRequest, max_model_len: int | None) -> TraceRequest:
-    """Shorten a request so prompt + output fits ``max_model_len`` (outputs first keep their length)."""
-    if max_model_len is None:
-        return req
-    output = max(1, min(req.output_tokens, max_model_len - 1))
-    prompt = max(1, min(req.prompt_tokens, max_model_len - output))
-    return replace(req, prompt_tokens=prompt, output_tokens=output)
 
 
 def _headers(cfg: ClientConfig) -> dict[str, str]:

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plaserve.bench.report import RequestRecord
-from plaserve.bench.trace import TraceRequest
+from plaserve.workload.report import RequestRecord
+from plaserve.workload.trace import TraceRequest
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
-from plaserve.engine.request import Request, SamplingParams
+from plaserve.request import Request, SamplingParams
 from plaserve.model.loader import LoadedModel
 from plaserve.sim.replay import random_prompt
 from plaserve.slo import SloRule  # the scheduler's rule (the benchmarks import it from here)

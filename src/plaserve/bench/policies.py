@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from plaserve.plotting import pyplot
 from plaserve.bench.bounds import slice_bounds
 from plaserve.bench.offline import PolicyRun, SloRule, fit_cost_model, run_policy, to_record, with_policy
-from plaserve.bench.report import RequestRecord, format_table, summarize
-from plaserve.bench.trace import TraceRequest, load_trace
+from plaserve.workload.report import RequestRecord, format_table, summarize
+from plaserve.workload.trace import TraceRequest, load_trace
 from plaserve.config import EngineConfig, SchedulerConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine

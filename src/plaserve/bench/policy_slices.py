@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from plaserve.bench.bounds import ONLINE_ORDERS, jobs_for, online_late, slice_bounds
 from plaserve.bench.offline import SloRule, to_record, with_policy
 from plaserve.bench.policies import POLICIES, Check, Slice, scaled_slice, target_checks
-from plaserve.bench.report import RequestRecord, summarize
-from plaserve.bench.trace import TraceRequest
+from plaserve.workload.report import RequestRecord, summarize
+from plaserve.workload.trace import TraceRequest
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine

@@ -13,8 +13,9 @@ from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_peak_flops
 from plaserve.profile import Profile, fingerprint
 from plaserve.engine.host_memory import keep_freed_memory
-from plaserve.engine.kv_cache import BlockAllocator, allocate_kv_tensors, available_memory, parse_memory
-from plaserve.engine.request import Request, RequestOutput, SamplingParams
+from plaserve.kv_blocks import BlockAllocator
+from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
+from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
 from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from plaserve.model.tokenizer import IncrementalDetokenizer

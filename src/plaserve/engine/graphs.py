@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from plaserve.engine.attention import AttentionMetadata
-from plaserve.engine.kv_cache import NULL_BLOCK
+from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

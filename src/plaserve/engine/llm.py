@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from plaserve.config import EngineConfig
 from plaserve.engine.engine import LLMEngine
-from plaserve.engine.request import Request, RequestOutput, SamplingParams
+from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.model.tokenizer import Tokenizer
 
 Prompt = str | list[int]

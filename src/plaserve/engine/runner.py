@@ -9,7 +9,7 @@ import torch
 
 from plaserve.engine.attention import AttentionMetadata, PrefillSeq
 from plaserve.engine.graphs import GraphGrid
-from plaserve.engine.kv_cache import NULL_BLOCK
+from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
 from plaserve.model.llama import LlamaForCausalLM
 from plaserve.scheduler.base import BatchItem, ScheduledBatch

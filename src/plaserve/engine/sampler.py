@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from plaserve.engine.request import Request, SamplingParams, TokenLogprobs
+from plaserve.request import Request, SamplingParams, TokenLogprobs
 
 
 class PenaltyState:

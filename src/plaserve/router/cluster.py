@@ -61,7 +61,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def run_cluster(args: argparse.Namespace) -> int:
     """Start the workers and the router; serve until interrupted. Returns the exit status."""
-    from plaserve.server.launcher import ServerProcess
+    from plaserve.launcher import ServerProcess
 
     if args.workers < 1:
         print("plaserve cluster: --workers must be at least 1", file=sys.stderr)

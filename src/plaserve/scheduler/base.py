@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from plaserve.config import SchedulerConfig
 from plaserve.cost import CostModel
-from plaserve.engine.kv_cache import BlockAllocator
-from plaserve.engine.request import Request, RequestStatus
+from plaserve.kv_blocks import BlockAllocator
+from plaserve.request import Request, RequestStatus
 
 
 @dataclass

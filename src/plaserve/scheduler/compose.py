@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from plaserve.engine.request import Request
+from plaserve.request import Request
 from plaserve.scheduler.base import ScheduledBatch
 from plaserve.scheduler.buckets import pick_bucket_batch
 from plaserve.scheduler.deadlines import DeadlinePlan

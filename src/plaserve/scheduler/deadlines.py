@@ -14,7 +14,7 @@ from functools import cached_property
 from typing import TypeVar
 
 from plaserve.cost import CostModel
-from plaserve.engine.request import Request, RequestStatus
+from plaserve.request import Request, RequestStatus
 
 T = TypeVar("T")
 

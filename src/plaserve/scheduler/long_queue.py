@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from plaserve.engine.request import Request
+from plaserve.request import Request
 from plaserve.scheduler.deadlines import DeadlinePlan, tokens_left
 
 

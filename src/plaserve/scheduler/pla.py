@@ -11,7 +11,7 @@ The guarantees and the rules are in docs/ARCHITECTURE.md; what each rule changed
 
 from __future__ import annotations
 
-from plaserve.engine.request import Request, RequestStatus
+from plaserve.request import Request, RequestStatus
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.busy import BusyMeter
 from plaserve.scheduler.cadence import Cadence

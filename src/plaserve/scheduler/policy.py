@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from plaserve.engine.request import Request
+from plaserve.request import Request
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.pla import PlaScheduler
 

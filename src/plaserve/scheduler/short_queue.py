@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from plaserve.engine.request import Request
+from plaserve.request import Request
 from plaserve.scheduler.buckets import batch_sizes, make_buckets
 from plaserve.scheduler.deadlines import DeadlinePlan, deadline
 from plaserve.scheduler.window import AdaptiveWindow

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import plaserve
-from plaserve.engine.request import ParamError, SamplingParams
+from plaserve.request import ParamError, SamplingParams
 from plaserve.server.auth import ApiKeyMiddleware
 from plaserve.server.connections import ErrorGuard
 from plaserve.server.deltas import DeltaTracker

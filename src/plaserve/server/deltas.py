@@ -8,7 +8,7 @@ stay. What is sent is therefore always a prefix of the final text.
 
 from __future__ import annotations
 
-from plaserve.engine.request import TokenLogprobs
+from plaserve.request import TokenLogprobs
 
 
 def stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from plaserve.engine.engine import LLMEngine
-from plaserve.engine.request import Request, RequestOutput, SamplingParams
+from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from plaserve.engine.request import RequestOutput, SamplingParams
+from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.engine_loop import EngineLoop, EngineStoppedError, OutputSink, QueueFullError, Submission
 from plaserve.server.errors import ApiError
 

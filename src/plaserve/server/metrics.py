@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from plaserve.engine.request import RequestMetrics
+from plaserve.request import RequestMetrics
 
 LENGTH_CLASSES = ("short", "long")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # error: no token could be sampled, or the engine failed

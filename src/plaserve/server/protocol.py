@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plaserve import json_body
-from plaserve.engine.request import ParamError, SamplingParams
+from plaserve.request import ParamError, SamplingParams
 from plaserve.server.errors import ApiError
 
 Prompt = str | list[int]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Sequence
 
-from plaserve.engine.request import RequestOutput, TokenLogprobs
+from plaserve.request import RequestOutput, TokenLogprobs
 from plaserve.server.protocol import StreamOptions
 
 DONE = "data: [DONE]\n\n"

@@ -18,8 +18,8 @@ import os
 import sys
 
 from plaserve.plotting import pyplot
-from plaserve.bench.report import format_table, plot, write_run
-from plaserve.bench.trace import TraceRequest, load_trace
+from plaserve.workload.report import format_table, plot, write_run
+from plaserve.workload.trace import TraceRequest, load_trace
 from plaserve.router.config import POLICIES as ROUTER_POLICIES
 from plaserve.router.config import RouterConfig
 from plaserve.scheduler.policy import POLICIES as SCHEDULER_POLICIES

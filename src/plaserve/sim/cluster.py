@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from plaserve.bench.client import fit_to_context
-from plaserve.bench.report import RequestRecord, summarize
-from plaserve.bench.slo import TtftSlo, cost_from_load
-from plaserve.bench.trace import TraceRequest
+from plaserve.workload.trace import fit_to_context
+from plaserve.workload.report import RequestRecord, summarize
+from plaserve.workload.slo import TtftSlo, cost_from_load
+from plaserve.workload.trace import TraceRequest
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine, prefill_left
-from plaserve.engine.request import RequestOutput, SamplingParams
+from plaserve.request import RequestOutput, SamplingParams
 from plaserve.router.config import RouterConfig
 from plaserve.router.dispatch import DispatchCore
 from plaserve.router.policies import Job, Policy, make_policy

@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 
 from plaserve.engine.engine import LLMEngine
-from plaserve.engine.request import Request, SamplingParams
+from plaserve.request import Request, SamplingParams
 from plaserve.sim.runner import SimClock
 
 

@@ -1,7 +1,7 @@
 """Load sweeps and goodput capacity: the highest request rate at which a policy keeps its SLO.
 
 A sweep replays the same requests at several arrival rates, by rescaling their arrival times (the
-``time_scale`` convention of :mod:`plaserve.bench.trace`: ``time_scale = 2`` is half the rate), and
+``time_scale`` convention of :mod:`plaserve.workload.trace`: ``time_scale = 2`` is half the rate), and
 simulates each. The **goodput capacity** for an SLO-violation target is the highest rate ``r`` such
 that the run at ``r`` and the runs at every lower swept rate violate the SLO for at most the target
 share of requests; a violation rate is not always monotone in the load (a lucky burst alignment), and
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plaserve.bench.trace import TraceRequest, scale_requests
+from plaserve.workload.trace import TraceRequest, scale_requests
 from plaserve.sim.cluster import ClusterConfig, SimResult, simulate
 from plaserve.sim.profiles import SimProfile
 

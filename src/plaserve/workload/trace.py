@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import csv
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Iterable
 
@@ -103,3 +103,12 @@ def synthetic_bimodal(n: int, rate: float, *, seed: int = 0, short: tuple[int, i
         lo, hi = long if rng.random() < long_share else short
         out.append(TraceRequest(t, rng.randint(lo, hi), rng.randint(*output)))
     return out
+
+
+def fit_to_context(req: TraceRequest, max_model_len: int | None) -> TraceRequest:
+    """Shorten a request so prompt + output fits ``max_model_len`` (outputs first keep their length)."""
+    if max_model_len is None:
+        return req
+    output = max(1, min(req.output_tokens, max_model_len - 1))
+    prompt = max(1, min(req.prompt_tokens, max_model_len - output))
+    return replace(req, prompt_tokens=prompt, output_tokens=output)

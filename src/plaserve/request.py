@@ -1,4 +1,8 @@
-"""Requests: sampling parameters, per-request state and timings, and the outputs users see."""
+"""Requests: sampling parameters, per-request state and timings, and the outputs users see.
+
+The bottom layer: every other part of plaserve may import this module, and it imports none of them
+(its detokenizer and the sampler's penalty state are whatever the engine hands it).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,7 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from plaserve.model.tokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:  # the sampler imports this module
-    from plaserve.engine.sampler import PenaltyState
+from typing import Any, Protocol
 
 _ids = itertools.count()
 MAX_LOGPROBS = 20  # most likely tokens reported per position (vLLM's default cap)
@@ -141,6 +140,15 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]  # the most likely tokens and theirs, most likely first
 
 
+class Detokenizer(Protocol):
+    """Turns a request's output tokens into text one token at a time (the tokenizer's incremental
+    detokenizer)."""
+
+    def add(self, token_id: int) -> str:
+        """The text ``token_id`` completes (may be empty while a multi-byte character is unfinished)."""
+        ...
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no KV blocks
     RUNNING = "running"  # holds KV blocks: prefilling or decoding
@@ -177,7 +185,7 @@ class Request:
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  arrival_time: float = 0.0, prompt: str | None = None,
-                 detokenizer: IncrementalDetokenizer | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 detokenizer: Detokenizer | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
@@ -201,7 +209,7 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.output_text = ""  # detokenized output, cut at a stop string
         self.generator = None  # a torch.Generator when the request has its own seed
-        self.penalty_state: PenaltyState | None = None  # the sampler's, from a penalised request's first sample
+        self.penalty_state: Any = None  # sampler.PenaltyState, from a penalised request's first sample
         self.length_class = "short"  # set by the scheduler on arrival: "short" or "long"
         self.uncached_estimate = len(prompt_token_ids)  # prompt tokens not in the prefix cache on arrival
         self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival

@@ -1,5 +1,6 @@
-"""Run ``plaserve serve`` (or another long-running subcommand) as a child process: start it, wait until
-it is healthy, stop it.
+"""Run ``plaserve serve``, ``plaserve route`` (or another long-running subcommand) as a child process:
+start it, wait until it is healthy, stop it. A layer of its own, so that the router's ``plaserve
+cluster`` starts workers without importing the server.
 
 For tests and benchmark scripts that need a real server on a real port (e.g. one per policy, to compare
 them with ``plaserve bench``).
@@ -135,3 +136,14 @@ class ServerProcess(PlaserveProcess):
     """``plaserve serve ARGS`` as a child process."""
 
     subcommand = "serve"
+
+
+class RouterProcess(PlaserveProcess):
+    """``plaserve route --worker-urls URLS ARGS`` as a child process (a context manager). It is ready
+    when ``/health`` answers, i.e. at least one worker is in rotation."""
+
+    subcommand = "route"
+
+    def __init__(self, worker_urls: list[str], args: list[str] | None = None, *, port: int | None = None,
+                 startup_timeout: float = 60.0) -> None:
+        super().__init__(["--worker-urls", *worker_urls, *(args or [])], port=port, startup_timeout=startup_timeout)
