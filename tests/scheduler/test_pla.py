@@ -361,3 +361,22 @@ def test_busy_meter_reads_the_share_of_its_horizon_after_watching_one():
     assert meter.share(10.5) == pytest.approx((0.5 + 0.5) / 10)  # [0.5, 1] and [10, 10.5]
     assert meter.share(20.0) == pytest.approx(2.0 / 10)
     assert meter.share(30.0) == 0.0
+
+
+@pytest.mark.parametrize("pad", ["always", "never"])
+def test_a_short_arriving_during_a_whole_long_prefill_goes_next(pad):
+    # Light load: a long prompt runs whole; shorts that arrive meanwhile wait for that step only (the
+    # step already running), then go before the second long prompt's chunks.
+    warm = [A(0.5 * i, 100, 1) for i in range(25)]
+    rest = [A(13.0, 2000, 1), A(13.05, 100, 1), A(13.1, 300, 1), A(13.12, 6000, 1)]
+    engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad)
+    readiness = record_ready(engine)
+    reqs = replay(engine, clock, warm + rest)
+    first, *shorts, second = reqs[-4:]
+    assert len(first.metrics.prefill_chunks) == 1  # whole: no short waited when it started
+    assert len(second.metrics.prefill_chunks) > 1  # chunked: shorts were waiting
+    whole_end = first.metrics.prefill_chunks[0][1]
+    for r in shorts:
+        assert r.metrics.arrival_time < whole_end
+        assert steps_between(runner, readiness[r], dispatch_time(runner, r), "long") <= 1
+        assert dispatch_time(runner, r) < second.metrics.prefill_chunks[-1][0]

@@ -13,7 +13,7 @@ how short batches run:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from plaserve.request import Request
 from plaserve.scheduler.base import ScheduledBatch
@@ -37,6 +37,24 @@ class Decision:
     waiting_shorts: int  # short requests waiting
     decode_due: bool  # the cadence wants decodes in this step
     long_due: bool  # the cadence wants a long chunk in this step
+
+
+class Composer(Protocol):
+    """How short batches form and how one step is put together around them."""
+
+    shorts_carry_decodes: bool  # decodes ride short batches (so their deadline checks count them)
+
+    def static_shapes(self) -> list[tuple[int, int]]:
+        """The ``(batch, bucket)`` shapes short batches run in (none: varlen)."""
+        ...
+
+    def form(self, cands: list[Request], plan: DeadlinePlan) -> ShortBatch:
+        """The batch forming from ``cands`` (the short queue's candidates, most urgent first; not empty)."""
+        ...
+
+    def compose(self, s: PlaScheduler, d: Decision) -> ScheduledBatch:
+        """The step to run (empty: nothing to do)."""
+        ...
 
 
 class StaticComposer:

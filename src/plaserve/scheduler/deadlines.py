@@ -55,7 +55,7 @@ class DeadlinePlan:
     """What one decision at time ``now`` knows about deadlines.
 
     ``pending``: the waiting requests (prefills under way keep going whatever the plan says, so they
-    are left out: counting them changed no result of the load sweep); ``riders``:
+    are left out; docs/POLICIES.md: counting them changed next to nothing); ``riders``:
     the decoding requests whose tokens ride along a short batch (none where short batches run padded);
     ``late_yield``: how many of its SLOs a late request yields for (0: never).
     """

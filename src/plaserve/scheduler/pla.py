@@ -4,6 +4,7 @@
 * :mod:`~plaserve.scheduler.short_queue` — the short queue: window, buckets, the forming batch;
 * :mod:`~plaserve.scheduler.long_queue` — the long queue: aged order, chunk sizes;
 * :mod:`~plaserve.scheduler.cadence` — the counters behind ``K`` and ``D``;
+* :mod:`~plaserve.scheduler.busy` — how busy the machine has been (light load: long prompts run whole);
 * :mod:`~plaserve.scheduler.compose` — the step: padded static short batches, or varlen.
 
 The guarantees and the rules are in docs/ARCHITECTURE.md; what each rule changed, in docs/POLICIES.md.
@@ -15,7 +16,7 @@ from plaserve.request import Request, RequestStatus
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.busy import BusyMeter
 from plaserve.scheduler.cadence import Cadence
-from plaserve.scheduler.compose import Decision, StaticComposer, VarlenComposer
+from plaserve.scheduler.compose import Composer, Decision, StaticComposer, VarlenComposer
 from plaserve.scheduler.deadlines import DeadlinePlan
 from plaserve.scheduler.long_queue import LongQueue
 from plaserve.scheduler.short_queue import ShortBatch, ShortQueue
@@ -36,7 +37,7 @@ class PlaScheduler(Scheduler):
         self.busy = BusyMeter()
         if c.static_short_batches:
             cap = min(self.max_num_batched_tokens, c.max_static_batch_tokens or self.max_num_batched_tokens)
-            self.composer: StaticComposer | VarlenComposer = StaticComposer(self.shorts, cap)
+            self.composer: Composer = StaticComposer(self.shorts, cap)
         else:
             self.composer = VarlenComposer(self.shorts, self.max_num_batched_tokens, c.short_threshold)
 
@@ -165,9 +166,9 @@ class PlaScheduler(Scheduler):
 
     def long_step(self, plan: DeadlinePlan, decodes: list[Request]) -> ScheduledBatch:
         """One chunk (:meth:`LongQueue.chunk_budget`) of the request at the head of the long queue, with
-        ``decodes`` riding along. A chunk holds one request: a partial last chunk is not topped up from
-        the next one, which would start a second long prompt that then holds its blocks while shorts
-        pass it (docs/POLICIES.md measures both)."""
+        ``decodes`` riding along. A chunk holds that one request: topping a partial last chunk up from
+        the next request only starts that one early, to wait half done behind the shorts (docs/POLICIES.md
+        says what dropping the top-up changed)."""
         items: list[BatchItem] = []
         preempted: list[Request] = []
         queue = self.longs.order(self.running, self.waiting, plan)
