@@ -214,7 +214,7 @@ def random_prompt(n: int, gen: torch.Generator) -> torch.Tensor:
 def make_llm(sizes: Sizes, **kwargs: Any) -> LLM:
     """An engine on the embedded default model (same seed, hence same weights, as ``load_model``)."""
     extra = {} if sizes.max_model_len is None else {"max_model_len": sizes.max_model_len}
-    return LLM(None, kv_cache_memory=sizes.kv_cache_memory, **extra, **kwargs)
+    return LLM(None, dtype="float32", kv_cache_memory=sizes.kv_cache_memory, **extra, **kwargs)
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:

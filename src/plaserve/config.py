@@ -41,7 +41,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32; or float32 / bfloat16 / float16
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 16384
     block_size: int = 16

@@ -11,7 +11,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def make_engine(path: str, **kw) -> LLMEngine:
-    args = dict(model=path, kv_cache_memory="16MiB", max_model_len=1024) | kw
+    args = dict(model=path, dtype="float32", kv_cache_memory="16MiB", max_model_len=1024) | kw
     return LLMEngine(EngineConfig.from_kwargs(**args))
 
 
@@ -193,7 +193,7 @@ def test_offline_n_choices_share_one_prefill(llama_ckpt):
     request seeded seed + j gives; the later choices reuse the first one's prompt blocks."""
     from plaserve import LLM
 
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=1024)
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=1024)
     prompt = prompts(100, seed=3)[0]
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
     out = llm.generate([prompt, prompt[:10]], params)

@@ -10,8 +10,9 @@ from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
 
 def make_engine(path: str, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(**({"model": path, "kv_cache_memory": "16MiB", "max_model_len": 1024,
-                                                  "policy": "pla", "pad_short_batches": "always"} | kw)))
+    return LLMEngine(EngineConfig.from_kwargs(**({"model": path, "dtype": "float32", "kv_cache_memory": "16MiB",
+                                                  "max_model_len": 1024, "policy": "pla",
+                                                  "pad_short_batches": "always"} | kw)))
 
 
 def start(engine: LLMEngine, ids: list[int]) -> BatchItem:
@@ -77,7 +78,7 @@ def test_generation_through_the_grid_equals_fcfs(llama_ckpt, policy):
 def make_engine_llm(path: str, policy: str, pad: str = "always"):
     from plaserve import LLM
 
-    return LLM(path, kv_cache_memory="16MiB", max_model_len=1024, policy=policy, pad_short_batches=pad)
+    return LLM(path, dtype="float32", kv_cache_memory="16MiB", max_model_len=1024, policy=policy, pad_short_batches=pad)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -96,7 +97,7 @@ def test_graph_memory_budget_bounds_the_grid(llama_ckpt):
     """The grid holds no shape whose activations exceed ``cuda_graph_memory``; a short batch that would
     is planned smaller, and a bucket beyond the budget takes the varlen fallback."""
     full = make_engine(llama_ckpt)
-    per_token = full.model_config.activation_bytes_per_token(4)  # float32 on CPU
+    per_token = full.model_config.activation_bytes_per_token(4)  # float32, as make_engine pins it
     assert per_token > 0 and max(b * k for b, k in full.runner.grid.runners) == 2048  # 1 GiB: the step cap binds
     engine = make_engine(llama_ckpt, cuda_graph_memory=str(100 * per_token))  # room for 100 tokens
     assert engine.scheduler.static_token_cap == 100

@@ -59,7 +59,7 @@ def test_batched_greedy_generation_matches_transformers(ckpt, request):
     path = request.getfixturevalue(ckpt)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (3, 17, 200, 700)]
-    llm = LLM(path, kv_cache_memory="32MiB", max_model_len=1024, max_num_batched_tokens=512)
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", max_model_len=1024, max_num_batched_tokens=512)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     ref = hf_model(path)
     for prompt, out in zip(prompts, outs):
@@ -70,7 +70,7 @@ def test_penalised_greedy_generation_matches_transformers(llama_ckpt):
     """Repetition penalty and min_tokens against transformers' own logits processors."""
     prompt = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
     ref = hf_model(llama_ckpt)
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512)
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512)
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.8))
     expected = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 24, dtype=torch.long), max_new_tokens=16,
                             min_new_tokens=16, do_sample=False, pad_token_id=0, repetition_penalty=1.8)[0, 24:].tolist()
@@ -101,7 +101,7 @@ def test_presence_and_frequency_penalties_match_a_reference_loop(llama_ckpt):
             token = int((logits - 0.7 * counts - 1.5 * (counts > 0).float()).argmax())
             ids.append(token)
             out.append(token)
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512)
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, frequency_penalty=0.7, presence_penalty=1.5)
     assert llm.generate([prompt], params)[0].token_ids == out
     assert len(set(out)) > len(set(hf_greedy(ref, prompt, 16)))  # fewer repeats than without the penalties
@@ -113,7 +113,7 @@ def test_logprobs_match_transformers(llama_ckpt):
     ref = hf_model(llama_ckpt).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 20, dtype=torch.long),
                                         max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0,
                                         output_logits=True, return_dict_in_generate=True)
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512)
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512)
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3))[0]
     assert out.token_ids == ref.sequences[0, 20:].tolist()
     for entry, logits in zip(out.outputs[0].logprobs, ref.logits):
@@ -131,7 +131,7 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(llama_ckpt, polic
     prompt = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(8)).tolist()
     with torch.no_grad():
         logp = hf_model(llama_ckpt)(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512, policy=policy, max_num_batched_tokens=64,
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512, policy=policy, max_num_batched_tokens=64,
               long_chunk_size=64, short_threshold=64)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=2)
     for _ in range(2):  # the second run finds the prompt in the prefix cache
@@ -162,14 +162,14 @@ def test_prompt_logprobs_of_padded_short_batches_and_a_prefill_cut_by_preemption
         return torch.tensor([e.logprob for e in entries[1:]])
 
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, prompt_logprobs=0)
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512, policy="pla", pad_short_batches="always")
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512, policy="pla", pad_short_batches="always")
     outs = llm.generate(prompts[:3], params)
     assert llm.engine.stats["grid_hits"] > 0  # the short prompts ran as one padded batch
     for prompt, out in zip(prompts[:3], outs):
         torch.testing.assert_close(got(out.prompt_logprobs), expected(prompt), atol=1e-5, rtol=0)
 
     prompt = prompts[3]
-    engine = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=512, policy="pla", short_threshold=32,
+    engine = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512, policy="pla", short_threshold=32,
                  long_chunk_size=32).engine
     req = engine.add_request(prompt, params)
     while len(req.prompt_logprobs) < 50:  # two 32-token chunks: 65 of 120 entries

@@ -230,7 +230,7 @@ class LLMEngine:
 
     def load_report(self) -> dict:
         """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
-        queued and running counts, KV usage and the cost coefficients in use."""
+        queued and running counts, KV usage, the cost coefficients in use and the model's dtype."""
         backlog = {"short": 0.0, "long": 0.0}
         queued = {"short": 0, "long": 0}
         running = {"short": 0, "long": 0}
@@ -250,6 +250,7 @@ class LLMEngine:
             "step_time_over_predicted": self.step_time.ratio,
             "short_threshold": self.config.scheduler.short_threshold,
             "policy": self.config.scheduler.policy,
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
 
     # --- the step ------------------------------------------------------------------------------

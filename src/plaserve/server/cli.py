@@ -32,7 +32,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait before new ones get 429 (default: unbounded)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests holding KV blocks at once")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32), float32, "
+                        "bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-online-refit", action="store_true",
