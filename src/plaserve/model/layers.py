@@ -85,21 +85,38 @@ def apply_rotary_(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> N
     x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
 
 
+def _can_prepack() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (its CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
 class Projection:
     """One or more ``nn.Linear`` layers that read the same input, run as a single matmul (one wide GEMM
-    is faster than several narrow ones); their parameters become views of the fused weight, so nothing
-    is stored twice. Build it once the weights are final and on their device.
+    is faster than several narrow ones); their parameters become views of the fused weight. Build it
+    once the weights are final and on their device.
 
-    On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
-    (a decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear`` hands
-    it, and long prefills run as fast.
+    The fused weight is kept in the layout its device and dtype multiply fastest by:
+
+    * CPU, float32: transposed (``[in, out]``, contiguous): MKL multiplies a few rows (a decode batch) by
+      that layout up to twice as fast as by the ``[out, in]`` one ``F.linear`` hands it, and long
+      prefills as fast;
+    * CPU, bfloat16 / float16: a copy prepacked into oneDNN's blocked layout (``mkldnn._linear_pointwise``),
+      beside the plain weight the parameters view (so these weights take twice their size). Unpacked,
+      oneDNN repacks the whole weight on every call, which costs more than the multiplication itself
+      for the few rows of a decode batch;
+    * elsewhere: as ``nn.Linear`` stores it, through ``F.linear``.
     """
+
+    # Rows oneDNN is told to expect when it picks the packed layout: a decode batch. The layout it
+    # picks for 16 rows multiplies long prefills as fast as one picked for them.
+    PACK_ROWS_HINT = 16
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         with torch.no_grad():
             weight = torch.cat([lin.weight for lin in linears])
             bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            self.transposed = weight.device.type == "cpu"
+            cpu = weight.device.type == "cpu"
+            self.transposed = cpu and weight.dtype == torch.float32
             if self.transposed:
                 weight = weight.t().contiguous()
             start = 0
@@ -109,9 +126,13 @@ class Projection:
                 if bias is not None:
                     lin.bias.data = bias[start:start + rows]
                 start += rows
+            self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
+                           if cpu and not self.transposed and _can_prepack() else None)
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
         out = x @ self.weight
