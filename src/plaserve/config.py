@@ -47,6 +47,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
+    # CPU, bfloat16 / float16: torch.compile the per-token elementwise work (norms, rotary, SwiGLU) of
+    # steps of at least this many tokens (None: all eager). Needs a C++ compiler, else it runs eagerly.
+    compile_min_tokens: int | None = 256
     use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
     # Activation memory the static grid may take (captured graphs keep theirs reserved): bytes, a size
     # string or a fraction of free device memory. It caps the tokens of one padded batch, so the grid

@@ -16,6 +16,7 @@ from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import BlockAllocator, allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
+from plaserve.model.fused import compiled_min_tokens
 from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from plaserve.model.tokenizer import IncrementalDetokenizer
 from plaserve.model.default import DEFAULT_CONFIG
@@ -78,6 +79,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if runner is None and loaded is None:
             loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        if runner is None and loaded is not None and self.device.type == "cpu":
+            loaded.model.compile_kernels(compiled_min_tokens(config.compile_min_tokens))
         self.loaded = loaded
         self.model_config = loaded.config if loaded else DEFAULT_CONFIG
         self.tokenizer = loaded.tokenizer if loaded else load_tokenizer(None)

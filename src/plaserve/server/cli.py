@@ -39,6 +39,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-online-refit", action="store_true",
                    help="keep the cost model fixed (default: refit it on the engine's own prefill timings)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CPU: run the elementwise kernels eagerly (default: torch.compile them for large steps)")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
     sched = p.add_argument_group("scheduling", "the step policies' knobs (the length threshold, long chunk size "
                                                "and batch window come from --profile)")
@@ -71,6 +73,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs["profile"] = args.profile
     if args.no_online_refit:
         kwargs["online_refit"] = False
+    if args.no_compile:
+        kwargs["compile_min_tokens"] = None
     for flag, _, _ in SCHEDULER_FLAGS:
         name = flag[2:].replace("-", "_")
         value = getattr(args, name)
