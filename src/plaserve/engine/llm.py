@@ -52,7 +52,7 @@ class LLM:
             for i in [i for i in held if groups[i][0].output_token_ids or groups[i][0].finished]:
                 prompt, rest = held.pop(i)
                 groups[i] += [self.engine.add_request(prompt, c) for c in rest]
-            self.engine.step()
+            self.engine.step_requests()  # outputs are built once, at the end
             if self.engine.last_batch is None:  # e.g. short requests inside their batch window
                 self.engine.wait_for_work()
         return [self._output(group) for group in groups]
