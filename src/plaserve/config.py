@@ -41,7 +41,8 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32; or float32 / bfloat16 / float16
+    # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32; or float32 / bfloat16 / float16
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 16384
     block_size: int = 16
@@ -59,6 +60,10 @@ class EngineConfig:
     # captured (the padding buys a graph replay); elsewhere padding is pure extra compute, so short
     # batches run varlen (and decodes ride along). "always" / "never" force it (tests use "always").
     pad_short_batches: str = "auto"
+    # Run decode steps through static (batch, blocks) runners, the batch padded with null-block rows:
+    # "auto" where CUDA graphs are captured (a replay per step); elsewhere padding only adds compute.
+    # "always" / "never" force it (tests use "always" on CPU).
+    pad_decode_batches: str = "auto"
     profile: str | None = None  # calibrated profile (plaserve calibrate): cost model + scheduler settings
     online_refit: bool = True  # refit the cost model on the engine's own prefill timings
     seed: int = 0
