@@ -7,15 +7,21 @@ One run measures, with the same weights and the same prompts for both systems:
    ``LLM.generate`` with ``max_tokens=1``, timed by the engine's own prefill-chunk timestamps), our
    bare ``model.forward`` without KV cache, and ``transformers``' forward (``logits_to_keep=1``). Best of
    N repetitions, the three systems interleaved inside each repetition.
-2. **Prefill FLOP rate** at one length, as a fraction of a float32 matmul peak measured in the same
-   run right before and right after (the max of the two is used).
-3. **A mixed workload** (32 requests by default, random prompt and output lengths, greedy,
+2. **Prefill FLOP rate** at one length, as a fraction of a matmul peak in the run's dtype measured in
+   the same run right before and right after (the max of the two is used).
+3. **Decode throughput** (tokens/s) at several batch sizes: requests of one prompt length decoding in
+   lockstep through the engine, and ``transformers.generate`` on the same batch.
+4. **A mixed workload** (32 requests by default, random prompt and output lengths, greedy,
    ``ignore_eos``): plaserve with the ``pla`` and ``fcfs`` policies against ``transformers.generate``
    one request at a time and in left-padded batches.
 
 Usage::
 
-    PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_hf.py [--quick] [--out results.json]
+    PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_hf.py [--quick] [--dtype bfloat16]
+        [--sections prefill,flop,decode,mixed] [--out results.json]
+
+Both systems run in the dtype given (float32 by default; bfloat16 is what ``--dtype auto`` picks on
+CPUs with AMX or AVX512-BF16).
 
 Progress goes to stderr; the markdown table goes to stdout.
 """
@@ -46,23 +52,33 @@ from plaserve.model.loader import load_model
 # Prompt token ids are drawn uniformly below this bound, inside the default model's 512-id vocabulary.
 # Prompts are token ids, never text, so which ids are bytes, specials or reserved does not matter.
 MAX_PROMPT_ID = 500
-# Targets of the engine-core issue.
-TARGET_PEAK_FRACTION = 0.70
+# Targets of the engine-core issue (float32) and of the bfloat16 one.
+TARGET_PEAK_FRACTION = {"float32": 0.70, "bfloat16": 0.60}
 TARGET_SPEEDUP = 2.0
+SECTIONS = ("prefill", "flop", "decode", "mixed")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Largest logit difference, ours against transformers, for the two to count as the same model. bfloat16
+# keeps 8 significant bits and the two round at different points.
+LOGITS_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05}
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Everything that sets how big (and how long) a run is."""
+    """Everything that sets how big (and how long) a run is, and the dtype it runs in."""
 
-    prefill_lengths: tuple[int, ...] = (128, 1024, 4096)
+    dtype: str = "float32"
+    prefill_lengths: tuple[int, ...] = (128, 1024, 2048, 4096)
     prefill_reps: int = 3
     flop_length: int = 2048
     # As many best-of repetitions as the matmul peak gets: a best-of-3 forward against a best-of-8
     # (twice) peak would put the machine's noise on one side of the ratio only.
     flop_reps: int = 8
-    peak_size: int = 2048  # square float32 matmul for the peak
+    peak_size: int = 2048  # square matmul in the run's dtype for the peak
     peak_reps: int = 8
+    decode_batches: tuple[int, ...] = (1, 16, 64)
+    decode_prompt: int = 128  # tokens of each decoding request's prompt
+    decode_tokens: int = 32  # tokens each generates (the first comes from the prefill)
+    decode_reps: int = 3
     logits_check_length: int = 256
     num_requests: int = 32
     prompt_range: tuple[int, int] = (16, 1024)
@@ -85,7 +101,8 @@ class Sizes:
 FULL = Sizes()
 # A smoke-test run: every row of the full run at toy sizes (seconds, not minutes).
 QUICK = Sizes(prefill_lengths=(16, 32, 64), prefill_reps=1, flop_length=64, flop_reps=1, peak_size=256,
-              peak_reps=2, logits_check_length=32, num_requests=4, prompt_range=(4, 40), output_range=(2, 6),
+              peak_reps=2, decode_batches=(1, 4), decode_prompt=8, decode_tokens=4, decode_reps=1,
+              logits_check_length=32, num_requests=4, prompt_range=(4, 40), output_range=(2, 6),
               hf_batch_size=2, mixed_rounds=1, quiet_wait_s=0.0, prefill_retries=0, mixed_retries=0,
               max_model_len=256,
               kv_cache_memory="16MiB")
@@ -167,11 +184,11 @@ def hf_config(cfg: ModelConfig) -> Any:
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="sdpa")
 
 
-def build_hf_model(ours: OurLlama, cfg: ModelConfig) -> torch.nn.Module:
-    """A ``transformers.LlamaForCausalLM`` holding exactly our weights (float32, SDPA attention)."""
+def build_hf_model(ours: OurLlama, cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """A ``transformers.LlamaForCausalLM`` holding exactly our weights (in ``dtype``, SDPA attention)."""
     import transformers
 
-    hf = transformers.LlamaForCausalLM(hf_config(cfg)).to(torch.float32).eval()
+    hf = transformers.LlamaForCausalLM(hf_config(cfg)).to(dtype).eval()
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     # Every HF parameter must come from ours; ours only differs by non-persistent buffers (rope tables),
     # which state_dict() leaves out, so nothing should be unexpected either.
@@ -214,7 +231,7 @@ def random_prompt(n: int, gen: torch.Generator) -> torch.Tensor:
 def make_llm(sizes: Sizes, **kwargs: Any) -> LLM:
     """An engine on the embedded default model (same seed, hence same weights, as ``load_model``)."""
     extra = {} if sizes.max_model_len is None else {"max_model_len": sizes.max_model_len}
-    return LLM(None, kv_cache_memory=sizes.kv_cache_memory, **extra, **kwargs)
+    return LLM(None, dtype=sizes.dtype, kv_cache_memory=sizes.kv_cache_memory, **extra, **kwargs)
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -223,10 +240,10 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 # --- timing primitives ---------------------------------------------------------------------------
-def matmul_peak(size: int, reps: int) -> float:
-    """Best float32 FLOP/s of a ``size``-square matmul over ``reps`` runs (after one warm-up)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    out = torch.empty(size, size)
+def matmul_peak(size: int, reps: int, dtype: torch.dtype) -> float:
+    """Best FLOP/s of a ``size``-square matmul in ``dtype`` over ``reps`` runs (after one warm-up)."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
     torch.matmul(a, b, out=out)
     best = float("inf")
     for _ in range(reps):
@@ -316,9 +333,9 @@ def measure_prefill(lengths: tuple[int, ...], reps: int, llm: LLM, ours: OurLlam
     return best
 
 
-def prefill_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module, cfg: ModelConfig,
-                    gate: QuietGate) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Prefill throughput rows and the FLOP-rate row (with its matmul peak bracketing the forwards)."""
+def prefill_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module,
+                    gate: QuietGate) -> list[dict[str, Any]]:
+    """Prefill throughput rows."""
     log("prefill throughput ...")
     meter = CpuMeter()
     best = measure_prefill(sizes.prefill_lengths, sizes.prefill_reps, llm, ours, hf, sizes.seed, gate,
@@ -329,15 +346,20 @@ def prefill_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module,
              "hf_s": best[n]["hf"], "engine_over_hf": best[n]["hf"] / best[n]["engine"],
              "others_cpu_s_section": prefill_others, "contended_reps": best[n]["contended"]}
             for n in sizes.prefill_lengths]
+    return rows
 
+
+def flop_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module, cfg: ModelConfig,
+                 gate: QuietGate) -> dict[str, Any]:
+    """The FLOP-rate row, with its matmul peak bracketing the forwards."""
     n = sizes.flop_length
     log(f"FLOP rate at L={n}: matmul peak, forwards, matmul peak ...")
     meter = CpuMeter()
     gate.wait()
-    peak_before = matmul_peak(sizes.peak_size, sizes.peak_reps)
+    peak_before = matmul_peak(sizes.peak_size, sizes.peak_reps, DTYPES[sizes.dtype])
     fl = measure_prefill((n,), sizes.flop_reps, llm, ours, hf, sizes.seed + 1, gate, sizes.prefill_retries)[n]
     gate.wait()
-    peak_after = matmul_peak(sizes.peak_size, sizes.peak_reps)
+    peak_after = matmul_peak(sizes.peak_size, sizes.peak_reps, DTYPES[sizes.dtype])
     peak = max(peak_before, peak_after)
     flops = prefill_flops(cfg, n)
     flop = {"length": n, "flops": flops, "peak_before": peak_before, "peak_after": peak_after, "peak": peak,
@@ -346,13 +368,61 @@ def prefill_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module,
             **{f"{s}_s": fl[s] for s in PREFILL_SYSTEMS},
             **{f"{s}_flop_s": flops / fl[s] for s in PREFILL_SYSTEMS},
             **{f"{s}_fraction": flops / fl[s] / peak for s in PREFILL_SYSTEMS}}
-    flop["target_met"] = flop["engine_fraction"] >= TARGET_PEAK_FRACTION
+    flop["target"] = TARGET_PEAK_FRACTION[sizes.dtype]
+    flop["target_met"] = flop["engine_fraction"] >= flop["target"]
     log(f"peak {peak / 1e9:.1f} GFLOP/s; engine {flop['engine_fraction']:.1%}, forward "
         f"{flop['forward_fraction']:.1%}, hf {flop['hf_fraction']:.1%}")
-    return rows, flop
+    return flop
 
 
-# --- 3: mixed workload ---------------------------------------------------------------------------
+# --- 3: decode -----------------------------------------------------------------------------------
+def engine_decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of ``prompts`` generating ``new_tokens`` each in lockstep, from the engine's own
+    token timestamps: every token after each request's first, over the time from the first to the last."""
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    first = max(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.token_times[-1] for o in outs)
+    if any(len(o.token_ids) != new_tokens for o in outs) or min(o.metrics.token_times[-1] for o in outs) <= first:
+        raise RuntimeError("the requests did not decode in lockstep")
+    return len(prompts) * (new_tokens - 1) / (last - first)
+
+
+def hf_decode_tok_s(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode tokens/s of one batch through ``transformers.generate``: the time of ``new_tokens`` less
+    that of one (the prefill and its token)."""
+    full = timed(lambda: hf_generate(hf, prompts, new_tokens))
+    prefill = timed(lambda: hf_generate(hf, prompts, 1))
+    return len(prompts) * (new_tokens - 1) / max(1e-9, full - prefill)
+
+
+def decode_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> list[dict[str, Any]]:
+    """Decode tokens/s per batch size, plaserve and transformers interleaved, best of ``decode_reps``."""
+    gen = torch.Generator().manual_seed(sizes.seed + 3)
+    rows = []
+    for batch in sizes.decode_batches:
+        prompts = [random_prompt(sizes.decode_prompt, gen).tolist() for _ in range(batch)]
+        # fcfs with room for every prompt in one step: the first step prefills them all, then every
+        # step decodes the whole batch.
+        llm = make_llm(sizes, policy="fcfs", enable_prefix_caching=False, max_num_seqs=max(64, batch),
+                       max_num_batched_tokens=max(2048, batch * sizes.decode_prompt))
+        engine_decode_tok_s(llm, prompts[:1], 3)  # first-call costs out of the timing
+        hf_generate(hf, prompts[:1], 2)
+        best = {"engine": 0.0, "hf": 0.0}
+        meter = CpuMeter()
+        for _ in range(sizes.decode_reps):
+            gate.wait()
+            best["engine"] = max(best["engine"], engine_decode_tok_s(llm, prompts, sizes.decode_tokens))
+            gate.wait()
+            best["hf"] = max(best["hf"], hf_decode_tok_s(hf, prompts, sizes.decode_tokens))
+        rows.append({"batch": batch, "engine_tok_s": best["engine"], "hf_tok_s": best["hf"],
+                     "engine_over_hf": best["engine"] / best["hf"], "others_cpu_s": meter.stop()})
+        log(f"decode batch {batch}: engine {best['engine']:,.0f} tok/s, transformers {best['hf']:,.0f} tok/s")
+        del llm
+        gc.collect()
+    return rows
+
+
+# --- 4: mixed workload ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Job:
     """One request of the mixed workload."""
@@ -549,22 +619,25 @@ def machine_info() -> dict[str, Any]:
 
     return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "dtype": "float32", "loadavg_start": os.getloadavg()}
+            "loadavg_start": os.getloadavg()}
 
 
-def run_benchmark(sizes: Sizes = FULL) -> dict[str, Any]:
-    """Run every section; returns the results as a JSON-ready dict."""
+def run_benchmark(sizes: Sizes = FULL, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+    """Run ``sections`` (all by default); returns the results as a JSON-ready dict."""
     t_start = time.perf_counter()
     results: dict[str, Any] = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                               "sizes": dataclasses.asdict(sizes), "machine": machine_info()}
-    loaded = load_model(None, torch.float32, torch.device("cpu"))
+                               "sizes": dataclasses.asdict(sizes), "sections": list(sections),
+                               "machine": machine_info() | {"dtype": sizes.dtype}}
+    dtype = DTYPES[sizes.dtype]
+    loaded = load_model(None, dtype, torch.device("cpu"))
     ours, cfg = loaded.model, loaded.config
-    hf = build_hf_model(ours, cfg)
+    hf = build_hf_model(ours, cfg, dtype)
     gen = torch.Generator().manual_seed(sizes.seed + 2)
     diff = logits_max_diff(ours, hf, random_prompt(sizes.logits_check_length, gen))
     log(f"logits check (L={sizes.logits_check_length}): max |ours - transformers| = {diff:.2e}")
-    if diff >= 1e-3:
-        raise RuntimeError(f"logits differ by {diff:.2e} >= 1e-3: the comparison would not be apples to apples")
+    if diff >= LOGITS_TOLERANCE[sizes.dtype]:
+        raise RuntimeError(f"logits differ by {diff:.2e} >= {LOGITS_TOLERANCE[sizes.dtype]}: the comparison would "
+                           f"not be apples to apples")
     results["model"] = {"name": loaded.name, "num_params": cfg.num_params, "hidden_size": cfg.hidden_size,
                         "num_layers": cfg.num_hidden_layers, "logits_check_length": sizes.logits_check_length,
                         "logits_max_abs_diff": diff}
@@ -577,11 +650,17 @@ def run_benchmark(sizes: Sizes = FULL) -> dict[str, Any]:
     engine_prefill_seconds(llm, random_prompt(16, gen))  # warm-up
     # One waiting budget for the whole run, so a busy machine cannot stretch it without bound.
     gate = QuietGate(sizes.quiet_wait_s, sizes.quiet_budget_s)
-    results["prefill"], results["flop_rate"] = prefill_section(sizes, llm, ours, hf, cfg, gate)
+    if "prefill" in sections:
+        results["prefill"] = prefill_section(sizes, llm, ours, hf, gate)
+    if "flop" in sections:
+        results["flop_rate"] = flop_section(sizes, llm, ours, hf, cfg, gate)
     del llm
     gc.collect()
 
-    results["mixed"] = mixed_section(sizes, hf, gate)
+    if "decode" in sections:
+        results["decode"] = decode_section(sizes, hf, gate)
+    if "mixed" in sections:
+        results["mixed"] = mixed_section(sizes, hf, gate)
     results["quiet_wait_s"] = gate.waited_s
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["runtime_s"] = time.perf_counter() - t_start
@@ -594,7 +673,7 @@ def _secs(x: float | None) -> str:
 
 def format_table(r: dict[str, Any], command: str = "") -> str:
     """The results as markdown (the text that goes into docs/BENCHMARKS.md)."""
-    m, fr, mx = r["machine"], r["flop_rate"], r["mixed"]
+    m = r["machine"]
     out = []
     if command:
         out.append(f"Command: `{command}`  ")
@@ -608,82 +687,112 @@ def format_table(r: dict[str, Any], command: str = "") -> str:
                f"logits max |ours - transformers| = {r['model']['logits_max_abs_diff']:.2e} "
                f"on a {r['model']['logits_check_length']}-token prompt")
     out.append("")
-    reps = r["sizes"]["prefill_reps"]
-    out.append(f"**Prefill throughput** (tokens/s, best of {reps}, systems interleaved; same prompt for all)")
-    out.append("")
-    out.append("| L | plaserve engine | plaserve model.forward | transformers forward | engine / transformers | "
-               "contended reps |")
-    out.append("|---:|---:|---:|---:|---:|---:|")
-    for row in r["prefill"]:
-        out.append(f"| {row['length']} | {row['engine_tok_s']:,.0f} | {row['forward_tok_s']:,.0f} | "
-                   f"{row['hf_tok_s']:,.0f} | {row['engine_over_hf']:.2f}x | {row['contended_reps']} |")
-    out.append("")
-    out.append(f"Other processes used {_secs(r['prefill'][0]['others_cpu_s_section'])} CPU s during this "
-               f"section. Contended reps: (length, system) timings during which other processes used over a "
-               f"tenth of a core even after {r['sizes']['prefill_retries']} retries (the best attempt is kept).")
-    out.append("")
-    out.append("plaserve engine: `LLM.generate(..., max_tokens=1)` (fcfs, 8192-token steps, prefix cache off), "
-               "timed by the engine's prefill-step timestamps (scheduling + forward + logits + sampling). "
-               "model.forward: our bare forward, no KV cache. transformers: `model(ids, logits_to_keep=1)` "
-               "(builds its KV cache, as `generate` does).")
-    out.append("")
-    n = fr["length"]
-    out.append(f"**Prefill FLOP rate at L = {n}** ({fr['flops'] / 1e9:.1f} GFLOP per prefill; best of "
-               f"{r['sizes']['flop_reps']}); matmul peak ({fr['peak_matmul_size']}^3 float32, best of "
-               f"{r['sizes']['peak_reps']}): {fr['peak_before'] / 1e9:.1f} GFLOP/s before, "
-               f"{fr['peak_after'] / 1e9:.1f} after, max {fr['peak'] / 1e9:.1f} used; other processes used "
-               f"{_secs(fr['others_cpu_s'])} CPU s meanwhile; contended reps {fr['contended_reps']}")
-    out.append("")
-    out.append("| system | time s | GFLOP/s | fraction of matmul peak |")
-    out.append("|---|---:|---:|---:|")
-    names = {"engine": "plaserve engine", "forward": "plaserve model.forward", "hf": "transformers forward"}
-    for s, label in names.items():
-        out.append(f"| {label} | {fr[f'{s}_s']:.3f} | {fr[f'{s}_flop_s'] / 1e9:.1f} | {fr[f'{s}_fraction']:.1%} |")
-    out.append("")
-    out.append(f"Target: plaserve engine >= {TARGET_PEAK_FRACTION:.0%} of peak: "
-               f"**{'met' if fr['target_met'] else 'NOT met'}** ({fr['engine_fraction']:.1%}).")
-    out.append("")
-    bs = mx["hf_batch_size"]
-    out.append(f"**Mixed workload**: {mx['num_requests']} requests, prompts {r['sizes']['prompt_range'][0]}-"
-               f"{r['sizes']['prompt_range'][1]} tokens ({mx['prompt_tokens']} in all), outputs "
-               f"{r['sizes']['output_range'][0]}-{r['sizes']['output_range'][1]} tokens ({mx['output_tokens']} in "
-               f"all), seeded; greedy, `ignore_eos`, every output exactly its length; all requests submitted at "
-               f"once; {mx['rounds']} round(s), every system once per round (order rotating), then up to "
-               f"{r['sizes']['mixed_retries']} extra runs for systems none of whose runs was clean; best run shown")
-    out.append("")
-    out.append("| system | wall s (best) | wall s, each run | other processes' CPU s, each run | "
-               "tokens generated | output tokens/s | identical outputs vs transformers one by one | "
-               "speedup vs best transformers | best run contended |")
-    out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    labels = {"plaserve_pla": "plaserve, policy pla (default)", "plaserve_fcfs": "plaserve, policy fcfs",
-              "hf_one_by_one": "transformers `generate`, one by one",
-              "hf_batched": f"transformers `generate`, left-padded batches of {bs}"}
-    for key, label in labels.items():
-        run = mx["runs"][key]
-        rounds = ", ".join(f"{w:.1f}" for w in run["wall_s_runs"])
-        others = ", ".join(_secs(o) for o in run["others_cpu_s_runs"])
-        out.append(f"| {label} | {run['wall_s']:.1f} | {rounds} | {others} | {run['tokens_computed']} | "
-                   f"{run['output_tok_s']:.1f} | {run['identical_to_hf_one_by_one']}/{mx['num_requests']} | "
-                   f"{run['speedup_vs_best_hf']:.2f}x | {'yes' if run['contended'] else 'no'} |")
-    out.append("")
-    out.append(f"Tokens generated counts padded-batch waste: each batch of {bs} generates its longest output for "
-               f"every row. Best transformers run: {labels[mx['best_hf']]}. A run is contended when other processes "
-               f"used over a tenth of a core meanwhile.")
-    out.append(f"Target: plaserve >= {TARGET_SPEEDUP:.0f}x faster than the better transformers run: "
-               f"pla **{'met' if mx['target_met_pla'] else 'NOT met'}** "
-               f"({mx['runs']['plaserve_pla']['speedup_vs_best_hf']:.2f}x), fcfs "
-               f"**{'met' if mx['target_met_fcfs'] else 'NOT met'}** "
-               f"({mx['runs']['plaserve_fcfs']['speedup_vs_best_hf']:.2f}x).")
+    if "prefill" in r:
+        reps = r["sizes"]["prefill_reps"]
+        out.append(f"**Prefill throughput** (tokens/s, best of {reps}, systems interleaved; same prompt for all)")
+        out.append("")
+        out.append("| L | plaserve engine | plaserve model.forward | transformers forward | engine / transformers | "
+                   "contended reps |")
+        out.append("|---:|---:|---:|---:|---:|---:|")
+        for row in r["prefill"]:
+            out.append(f"| {row['length']} | {row['engine_tok_s']:,.0f} | {row['forward_tok_s']:,.0f} | "
+                       f"{row['hf_tok_s']:,.0f} | {row['engine_over_hf']:.2f}x | {row['contended_reps']} |")
+        out.append("")
+        out.append(f"Other processes used {_secs(r['prefill'][0]['others_cpu_s_section'])} CPU s during this "
+                   f"section. Contended reps: (length, system) timings during which other processes used over a "
+                   f"tenth of a core even after {r['sizes']['prefill_retries']} retries (the best attempt is kept).")
+        out.append("")
+        out.append("plaserve engine: `LLM.generate(..., max_tokens=1)` (fcfs, 8192-token steps, prefix cache off), "
+                   "timed by the engine's prefill-step timestamps (scheduling + forward + logits + sampling). "
+                   "model.forward: our bare forward, no KV cache. transformers: `model(ids, logits_to_keep=1)` "
+                   "(builds its KV cache, as `generate` does).")
+        out.append("")
+    if "flop_rate" in r:
+        fr = r["flop_rate"]
+        n = fr["length"]
+        out.append(f"**Prefill FLOP rate at L = {n}** ({fr['flops'] / 1e9:.1f} GFLOP per prefill; best of "
+                   f"{r['sizes']['flop_reps']}); matmul peak ({fr['peak_matmul_size']}^3 {m['dtype']}, best of "
+                   f"{r['sizes']['peak_reps']}): {fr['peak_before'] / 1e9:.1f} GFLOP/s before, "
+                   f"{fr['peak_after'] / 1e9:.1f} after, max {fr['peak'] / 1e9:.1f} used; other processes used "
+                   f"{_secs(fr['others_cpu_s'])} CPU s meanwhile; contended reps {fr['contended_reps']}")
+        out.append("")
+        out.append("| system | time s | GFLOP/s | fraction of matmul peak |")
+        out.append("|---|---:|---:|---:|")
+        names = {"engine": "plaserve engine", "forward": "plaserve model.forward", "hf": "transformers forward"}
+        for s, label in names.items():
+            out.append(f"| {label} | {fr[f'{s}_s']:.3f} | {fr[f'{s}_flop_s'] / 1e9:.1f} | {fr[f'{s}_fraction']:.1%} |")
+        out.append("")
+        out.append(f"Target: plaserve engine >= {fr['target']:.0%} of peak: "
+                   f"**{'met' if fr['target_met'] else 'NOT met'}** ({fr['engine_fraction']:.1%}).")
+        out.append("")
+    if "decode" in r:
+        reps = r["sizes"]["decode_reps"]
+        out.append(f"**Decode throughput** (tokens/s, best of {reps}, systems interleaved): a batch of requests of "
+                   f"{r['sizes']['decode_prompt']} prompt tokens each generating {r['sizes']['decode_tokens']} "
+                   f"tokens, greedy; the tokens after each request's first over the time from the first to the last")
+        out.append("")
+        out.append("| batch | plaserve engine | transformers `generate` | engine / transformers |")
+        out.append("|---:|---:|---:|---:|")
+        for row in r["decode"]:
+            out.append(f"| {row['batch']} | {row['engine_tok_s']:,.0f} | {row['hf_tok_s']:,.0f} | "
+                       f"{row['engine_over_hf']:.2f}x |")
+        out.append("")
+        out.append("plaserve engine: one `LLM.generate` of the batch (fcfs, every prompt in the first step, prefix "
+                   "cache off), timed by the engine's token timestamps. transformers: `generate` of the batch, "
+                   "its time for one token subtracted.")
+        out.append("")
+    if "mixed" in r:
+        mx = r["mixed"]
+        bs = mx["hf_batch_size"]
+        out.append(f"**Mixed workload**: {mx['num_requests']} requests, prompts {r['sizes']['prompt_range'][0]}-"
+                   f"{r['sizes']['prompt_range'][1]} tokens ({mx['prompt_tokens']} in all), outputs "
+                   f"{r['sizes']['output_range'][0]}-{r['sizes']['output_range'][1]} tokens ({mx['output_tokens']} in "
+                   f"all), seeded; greedy, `ignore_eos`, every output exactly its length; all requests submitted at "
+                   f"once; {mx['rounds']} round(s), every system once per round (order rotating), then up to "
+                   f"{r['sizes']['mixed_retries']} extra runs for systems none of whose runs was clean; best run shown")
+        out.append("")
+        out.append("| system | wall s (best) | wall s, each run | other processes' CPU s, each run | "
+                   "tokens generated | output tokens/s | identical outputs vs transformers one by one | "
+                   "speedup vs best transformers | best run contended |")
+        out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        labels = {"plaserve_pla": "plaserve, policy pla (default)", "plaserve_fcfs": "plaserve, policy fcfs",
+                  "hf_one_by_one": "transformers `generate`, one by one",
+                  "hf_batched": f"transformers `generate`, left-padded batches of {bs}"}
+        for key, label in labels.items():
+            run = mx["runs"][key]
+            rounds = ", ".join(f"{w:.1f}" for w in run["wall_s_runs"])
+            others = ", ".join(_secs(o) for o in run["others_cpu_s_runs"])
+            out.append(f"| {label} | {run['wall_s']:.1f} | {rounds} | {others} | {run['tokens_computed']} | "
+                       f"{run['output_tok_s']:.1f} | {run['identical_to_hf_one_by_one']}/{mx['num_requests']} | "
+                       f"{run['speedup_vs_best_hf']:.2f}x | {'yes' if run['contended'] else 'no'} |")
+        out.append("")
+        out.append(f"Tokens generated counts padded-batch waste: each batch of {bs} generates its longest output "
+                   f"for every row. Best transformers run: {labels[mx['best_hf']]}. A run is contended when other "
+                   f"processes used over a tenth of a core meanwhile.")
+        out.append(f"Target: plaserve >= {TARGET_SPEEDUP:.0f}x faster than the better transformers run: "
+                   f"pla **{'met' if mx['target_met_pla'] else 'NOT met'}** "
+                   f"({mx['runs']['plaserve_pla']['speedup_vs_best_hf']:.2f}x), fcfs "
+                   f"**{'met' if mx['target_met_fcfs'] else 'NOT met'}** "
+                   f"({mx['runs']['plaserve_fcfs']['speedup_vs_best_hf']:.2f}x).")
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes: a smoke test of every row")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="both systems' dtype")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--out", help="also write the results as JSON to this path")
     args = parser.parse_args(argv)
-    results = run_benchmark(QUICK if args.quick else FULL)
+    sections = tuple(x for x in args.sections.split(",") if x)
+    if not sections or set(sections) - set(SECTIONS):
+        parser.error(f"--sections takes some of {','.join(SECTIONS)}")
+    sizes = dataclasses.replace(QUICK if args.quick else FULL, dtype=args.dtype)
+    results = run_benchmark(sizes, sections)
     command = "PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_hf.py" + (" --quick" if args.quick else "")
+    command += "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    command += "" if sections == SECTIONS else f" --sections {','.join(sections)}"
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

@@ -49,12 +49,16 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA; or float32 / bfloat16 / float16
+    # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32; or float32 / bfloat16 / float16
+    dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 16384
     block_size: int = 16
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
+    # CPU, bfloat16 / float16: torch.compile the per-token elementwise work (norms, rotary, SwiGLU) of
+    # steps of at least this many tokens (None: all eager). Needs a C++ compiler, else it runs eagerly.
+    compile_min_tokens: int | None = 256
     use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
     # Activation memory the static grid may take (captured graphs keep theirs reserved): bytes, a size
     # string or a fraction of free device memory. It caps the tokens of one padded batch, so the grid
@@ -64,6 +68,10 @@ class EngineConfig:
     # captured (the padding buys a graph replay); elsewhere padding is pure extra compute, so short
     # batches run varlen (and decodes ride along). "always" / "never" force it (tests use "always").
     pad_short_batches: str = "auto"
+    # Run decode steps through static (batch, blocks) runners, the batch padded with null-block rows:
+    # "auto" where CUDA graphs are captured (a replay per step); elsewhere padding only adds compute.
+    # "always" / "never" force it (tests use "always" on CPU).
+    pad_decode_batches: str = "auto"
     profile: str | None = None  # calibrated profile (plaserve calibrate): cost model + scheduler settings
     online_refit: bool = True  # refit the cost model on the engine's own prefill timings
     seed: int = 0

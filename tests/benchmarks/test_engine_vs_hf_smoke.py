@@ -19,8 +19,9 @@ def test_quick_run_has_every_row(load_benchmark, tmp_path: Path) -> None:
     bench = load_benchmark("engine_vs_hf")
     # Smaller still than --quick, to keep the test to a few seconds.
     sizes = dataclasses.replace(bench.QUICK, prefill_lengths=(8, 16, 32), flop_length=32, peak_size=128,
-                                num_requests=3, prompt_range=(4, 16), output_range=(2, 4))
+                                decode_batches=(1, 3), num_requests=3, prompt_range=(4, 16), output_range=(2, 4))
     results = bench.run_benchmark(sizes)
+    assert results["machine"]["dtype"] == "float32" and results["sections"] == list(bench.SECTIONS)
 
     assert [row["length"] for row in results["prefill"]] == [8, 16, 32]
     for row in results["prefill"]:
@@ -31,6 +32,9 @@ def test_quick_run_has_every_row(load_benchmark, tmp_path: Path) -> None:
     for system in ("engine", "forward", "hf"):
         assert flop[f"{system}_fraction"] > 0
     assert isinstance(flop["target_met"], bool)
+
+    assert [row["batch"] for row in results["decode"]] == [1, 3]
+    assert all(row["engine_tok_s"] > 0 and row["hf_tok_s"] > 0 for row in results["decode"])
 
     mixed = results["mixed"]
     assert set(mixed["runs"]) == {"plaserve_pla", "plaserve_fcfs", "hf_one_by_one", "hf_batched"}
@@ -46,6 +50,15 @@ def test_quick_run_has_every_row(load_benchmark, tmp_path: Path) -> None:
 
     table = bench.format_table(results, "cmd")
     for needle in ("| 8 |", "| 32 |", "plaserve engine", "transformers `generate`, one by one",
-                   "left-padded batches", "fraction of matmul peak"):
+                   "left-padded batches", "fraction of matmul peak", "Decode throughput", "| 3 |"):
         assert needle in table
     json.dumps(results)  # what --out writes must be JSON-serialisable
+
+
+def test_sections_and_dtype_flags(load_benchmark, capsys) -> None:
+    bench = load_benchmark("engine_vs_hf")
+    bench.QUICK = bench.dataclasses.replace(bench.QUICK, decode_batches=(2,), decode_tokens=3)
+    assert bench.main(["--quick", "--dtype", "bfloat16", "--sections", "decode"]) == 0
+    table = capsys.readouterr().out
+    assert "--dtype bfloat16 --sections decode" in table and "bfloat16" in table and "| 2 |" in table
+    assert "Prefill throughput" not in table and "Mixed workload" not in table

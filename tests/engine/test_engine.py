@@ -12,7 +12,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def make_engine(path: str, **kw) -> LLMEngine:
-    args = dict(model=path, kv_cache_memory="16MiB", max_model_len=1024) | kw
+    args = dict(model=path, dtype="float32", kv_cache_memory="16MiB", max_model_len=1024) | kw
     return LLMEngine(EngineConfig.from_kwargs(**args))
 
 
@@ -194,7 +194,7 @@ def test_offline_n_choices_share_one_prefill(llama_ckpt):
     request seeded seed + j gives; the later choices reuse the first one's prompt blocks."""
     from plaserve import LLM
 
-    llm = LLM(llama_ckpt, kv_cache_memory="16MiB", max_model_len=1024)
+    llm = LLM(llama_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=1024)
     prompt = prompts(100, seed=3)[0]
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
     out = llm.generate([prompt, prompt[:10]], params)
@@ -230,3 +230,46 @@ def test_a_request_with_non_finite_logits_fails_alone(llama_ckpt, alone, monkeyp
     for req, p in zip(others, PROMPTS):
         assert req.output_token_ids == alone[tuple(p)]
     assert engine.allocator.num_used_blocks == 0
+
+
+BF16_GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone_bf16(qwen2_ckpt, qwen2_bf16_prompts):
+    """bfloat16 reference outputs: each prompt alone, unchunked, no prefix caching. Its top-2 logprobs
+    show that no step is a near-tie (a bfloat16 rounding could flip one), so other runs must match
+    token for token."""
+    engine = make_engine(qwen2_ckpt, dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=1024,
+                         policy="fcfs")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for p in qwen2_bf16_prompts:
+        r = run(engine, [p], params)[0]
+        assert min(e.top[0][1] - e.top[1][1] for e in r.output_logprobs) >= 0.2
+        outputs[tuple(p)] = r.output_token_ids
+    return outputs
+
+
+@pytest.mark.parametrize("variant", ["chunked fcfs", "chunked pla", "prefix cached", "padded pla"])
+def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(qwen2_ckpt, qwen2_bf16_prompts, alone_bf16,
+                                                                          variant):
+    """The bfloat16 counterparts of the float32 tests above, all prompts at once (batched decodes)."""
+    kw: dict = {"dtype": "bfloat16"}
+    if variant.startswith("chunked"):
+        kw |= dict(max_num_batched_tokens=64, long_chunk_size=64, short_threshold=64, enable_prefix_caching=False,
+                   policy=variant.split()[1])
+    elif variant == "padded pla":
+        kw |= dict(policy="pla", pad_short_batches="always")
+    engine = make_engine(qwen2_ckpt, **kw)
+    runs = 2 if variant == "prefix cached" else 1
+    for _ in range(runs):  # the second run finds every prompt's blocks in the prefix cache
+        reqs = run(engine, qwen2_bf16_prompts, BF16_GREEDY)
+        assert [r.output_token_ids for r in reqs] == [alone_bf16[tuple(p)] for p in qwen2_bf16_prompts]
+    if variant == "prefix cached":
+        # whole blocks, the last token of each prompt recomputed
+        assert sum(r.metrics.num_cached_tokens for r in reqs) == 0 + 16 + 32 + 288 + 592
+    if variant == "padded pla":
+        assert engine.stats["grid_hits"] > 0
+    if variant.startswith("chunked"):
+        assert len(reqs[-1].metrics.prefill_chunks) >= 600 // 64

@@ -378,8 +378,9 @@ def test_metrics_parse_and_count_requests(client: openai.OpenAI, server) -> None
     assert set(ttft_counts) == {"short", "long"} and ttft_counts["short"] >= 1
     free = families["plaserve_kv_blocks_free"].samples[0].value
     used = families["plaserve_kv_blocks_used"].samples[0].value
-    # 64 MiB / (K and V x 2 layers x 2 KV heads x head_dim 16 x 4 bytes x 16 tokens a block)
-    assert free > 0 and used + free == 64 * 2**20 // (2 * 2 * 2 * 16 * 4 * 16)
+    # 64 MiB / (K and V x 2 layers x 2 KV heads x head_dim 16 x bytes an element x 16 tokens a block)
+    element = {"float32": 4, "bfloat16": 2}[httpx.get(f"{server.url}/load").json()["dtype"]]
+    assert free > 0 and used + free == 64 * 2**20 // (2 * 2 * 2 * 16 * element * 16)
 
 
 def test_load_report(server) -> None:
@@ -389,6 +390,7 @@ def test_load_report(server) -> None:
     assert {"used_blocks", "free_blocks", "utilization"} <= set(load["kv"])
     assert {"g1", "g2", "c0"} <= set(load["cost_model"])
     assert load["short_threshold"] == 512 and isinstance(load["policy"], str)
+    assert load["dtype"] == httpx.get(f"{server.url}/server_info").json()["dtype"]  # what --dtype auto chose
 
 
 def test_sglang_router_endpoints(server, qwen2_ckpt: str) -> None:

@@ -16,7 +16,7 @@ SDPA calls use 4-D inputs: on CPU the fused kernel is only taken for 4-D (3-D is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +50,26 @@ class AttentionMetadata:
     # Decode rows [start, end) whose contexts fit ``blocks`` blocks, attended as one group (None: all
     # rows, the tables' full width).
     decode_groups: list[tuple[int, int, int]] | None = None
+    _decode_inputs: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def num_padded_tokens(self) -> int:
         return 0 if self.padded_shape is None else self.padded_shape[0] * self.padded_shape[1]
+
+    def decode_inputs(self, block_size: int,
+                      dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per decode group: its rows ``[start, end)``, the blocks to gather (flat) and the additive mask
+        ``[rows, 1, 1, blocks * block_size]`` (0, or -inf past each context). The same for every layer:
+        made by the first, reused by the others."""
+        if self._decode_inputs is None:
+            assert self.decode_block_tables is not None and self.decode_context_lens is not None
+            tables, lens = self.decode_block_tables, self.decode_context_lens
+            self._decode_inputs = []
+            for start, end, blocks in self.decode_groups or [(0, tables.shape[0], tables.shape[1])]:
+                past = torch.arange(blocks * block_size, device=tables.device)[None, :] >= lens[start:end, None]
+                mask = torch.zeros(past.shape, dtype=dtype, device=tables.device).masked_fill_(past, float("-inf"))
+                self._decode_inputs.append((start, end, tables[start:end, :blocks].reshape(-1), mask[:, None, None]))
+        return self._decode_inputs
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -113,19 +129,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple
                   v[p0:p1].view(shape_kv).transpose(1, 2), scale, causal=True)
         out[p0:p1] = o.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[2])
     if meta.decode_block_tables is not None:
-        assert kv_cache is not None and meta.decode_context_lens is not None
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        assert kv_cache is not None
         kc, vc = kv_cache
         hk, d = k.shape[1], k.shape[2]
-        assert out.shape[0] - p1 == tables.shape[0]
-        for start, end, blocks in meta.decode_groups or [(0, tables.shape[0], tables.shape[1])]:
+        assert out.shape[0] - p1 == meta.decode_block_tables.shape[0]
+        # An additive mask in the model's dtype: SDPA would turn a boolean one into that in every layer.
+        for start, end, group, mask in meta.decode_inputs(kc.shape[1], q.dtype):
             b = end - start
             # index_select copies whole blocks (rows of the flat cache): faster than advanced indexing.
             # [b * blocks, block, Hk, D] -> [b, Hk, S, D]
-            group = tables[start:end, :blocks].reshape(-1)
             ks = torch.index_select(kc, 0, group).view(b, -1, hk, d).transpose(1, 2)
             vs = torch.index_select(vc, 0, group).view(b, -1, hk, d).transpose(1, 2)
-            mask = (torch.arange(ks.shape[2], device=q.device)[None, :] < lens[start:end, None])[:, None, None, :]
             # The query heads sharing a K/V head attend as that head's rows (query head h reads K/V head
             # h // group, as in repeat_kv): one pass over each head's K/V serves the whole group.
             qs = q[p1 + start:p1 + end].view(b, hk, -1, d)

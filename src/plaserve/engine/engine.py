@@ -12,11 +12,13 @@ import torch
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_peak_flops
 from plaserve.profile import Profile, fingerprint
+from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.kv_blocks import BlockAllocator
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
 from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
+from plaserve.model.fused import compiled_min_tokens
 from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from plaserve.model.tokenizer import IncrementalDetokenizer
 from plaserve.model.default import DEFAULT_CONFIG
@@ -69,10 +71,12 @@ class LLMEngine:
                 config, scheduler=dataclasses.replace(config.scheduler, **self.profile.scheduler_overrides()))
         self.clock = clock
         self.device = resolve_device(config.device)
-        if config.pad_short_batches not in ("auto", "always", "never"):
-            raise ValueError(f"pad_short_batches must be auto, always or never, not {config.pad_short_batches!r}")
+        for name in ("pad_short_batches", "pad_decode_batches"):
+            if getattr(config, name) not in ("auto", "always", "never"):
+                raise ValueError(f"{name} must be auto, always or never, not {getattr(config, name)!r}")
         graphs = config.use_cuda_graphs and self.device.type == "cuda"
         static = config.pad_short_batches == "always" or (config.pad_short_batches == "auto" and graphs)
+        self.static_decode = config.pad_decode_batches == "always" or (config.pad_decode_batches == "auto" and graphs)
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
                                                                            static_short_batches=static))
         self.config = config
@@ -80,6 +84,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if runner is None and loaded is None:
             loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+        if runner is None and loaded is not None and self.device.type == "cpu":
+            loaded.model.compile_kernels(compiled_min_tokens(config.compile_min_tokens))
         self.loaded = loaded
         self.model_config = loaded.config if loaded else DEFAULT_CONFIG
         self.tokenizer = loaded.tokenizer if loaded else load_tokenizer(None)
@@ -114,6 +120,8 @@ class LLMEngine:
             shapes = self.scheduler.static_shapes()
             if shapes:
                 runner.build_grid(shapes, capture=config.use_cuda_graphs)
+            if self.static_decode:
+                runner.build_decode_grid(self._decode_grid_shapes(), capture=config.use_cuda_graphs)
         self.runner = runner
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -140,6 +148,14 @@ class LLMEngine:
         log.info("static short batches: at most %d tokens each (%s of activations at %d bytes a token)",
                  tokens, self.config.cuda_graph_memory, per_token)
         return tokens
+
+    def _decode_grid_shapes(self) -> list[tuple[int, int]]:
+        """The decode grid's ``(batch, blocks)`` shapes: up to ``max_num_seqs`` rows and the blocks of
+        ``max_model_len``, within ``cuda_graph_memory`` (each shape's gathered K/V of one layer)."""
+        cfg, bs = self.model_config, self.config.block_size
+        bytes_per_block = 2 * bs * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        budget = parse_memory(self.config.cuda_graph_memory, available_memory(self.device))
+        return decode_grid_shapes(self.scheduler.max_num_seqs, -(-self.max_model_len // bs), bytes_per_block, budget)
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model_config
@@ -272,7 +288,7 @@ class LLMEngine:
 
     def load_report(self) -> dict:
         """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
-        queued and running counts, KV usage and the cost coefficients in use."""
+        queued and running counts, KV usage, the cost coefficients in use and the model's dtype."""
         backlog = {"short": 0.0, "long": 0.0}
         queued = {"short": 0, "long": 0}
         running = {"short": 0, "long": 0}
@@ -296,6 +312,7 @@ class LLMEngine:
             "step_time_over_predicted": self.step_time.ratio,
             "short_threshold": self.config.scheduler.short_threshold,
             "policy": self.config.scheduler.policy,
+            "dtype": str(self.dtype).removeprefix("torch."),
         }
 
     # --- the step ------------------------------------------------------------------------------

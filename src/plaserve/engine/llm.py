@@ -44,7 +44,7 @@ class LLM:
             leader = self.engine.add_request(prompt, first)
             groups.append([leader, *(self.engine.add_request(prompt, c, after=leader.request_id) for c in rest)])
         while self.engine.has_unfinished():
-            self.engine.step()
+            self.engine.step_requests()  # outputs are built once, at the end
             if self.engine.last_batch is None:  # e.g. short requests inside their batch window
                 self.engine.wait_for_work()
         return [self._output(group) for group in groups]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from plaserve.engine.attention import AttentionMetadata, PrefillSeq
-from plaserve.engine.graphs import GraphGrid
+from plaserve.engine.graphs import DecodeRunner, GraphGrid
 from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
 from plaserve.model.llama import LlamaForCausalLM
@@ -31,11 +31,16 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def _is_decode(item: BatchItem) -> bool:
+    """Whether ``item`` is a decode: one new token after a computed context."""
+    return item.num_tokens == 1 and item.request.num_computed_tokens > 0
+
+
 def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> PackedBatch:
     """Lay out ``batch`` as varlen prefill items, then the padded bucket block, then decodes."""
     items = list(enumerate(batch.items))
-    decodes = [(i, it) for i, it in items if it.num_tokens == 1 and it.request.num_computed_tokens > 0]
-    rest = [(i, it) for i, it in items if not (it.num_tokens == 1 and it.request.num_computed_tokens > 0)]
+    decodes = [(i, it) for i, it in items if _is_decode(it)]
+    rest = [(i, it) for i, it in items if not _is_decode(it)]
     padded = rest if batch.bucket is not None else []
     varlen = [] if batch.bucket is not None else rest
 
@@ -107,8 +112,9 @@ class ModelRunner:
     """Executes scheduled batches on a model with its paged KV cache.
 
     A short batch with a ``bucket`` runs through the static ``(batch, bucket)`` grid when it has an
-    entry for it (a CUDA graph replay on GPUs); any other batch, or one the grid lacks, runs the varlen
-    eager path.
+    entry for it, and a batch of decodes only through the static ``(batch, blocks)`` decode grid when
+    one is built and has room for it (CUDA graph replays on GPUs); any other batch, or one the grids
+    lack, runs the varlen eager path.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -119,16 +125,46 @@ class ModelRunner:
         self.device = device
         self.grid: GraphGrid | None = None
         self.grid_fallbacks = 0
+        self.decode_grid: GraphGrid | None = None
 
     def build_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
         """Create (and on CUDA capture) the static runners for ``shapes`` of ``(batch, bucket)``."""
         self.grid = GraphGrid(self.model, self.kv_caches, shapes, self.block_size, self.device, capture)
 
+    def build_decode_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
+        """Create (and on CUDA capture) the static decode runners for ``shapes`` of ``(batch, blocks)``."""
+        self.decode_grid = GraphGrid(self.model, self.kv_caches, shapes, self.block_size, self.device, capture,
+                                     decode=True)
+
     @property
     def stats(self) -> dict[str, int]:
-        return {"grid_hits": self.grid.hits if self.grid else 0, "grid_fallbacks": self.grid_fallbacks}
+        decode = self.decode_grid
+        return {"grid_hits": self.grid.hits if self.grid else 0, "grid_fallbacks": self.grid_fallbacks,
+                "decode_grid_hits": decode.hits if decode else 0,
+                "decode_grid_fallbacks": decode.fallbacks if decode else 0}
+
+    def _forward_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch] | None:
+        """A batch of decodes through the decode grid (None: no grid, or no entry holds it)."""
+        if self.decode_grid is None or not batch.items or not all(_is_decode(it) for it in batch.items):
+            return None
+        # pack() pads the block tables to the longest request's
+        width = max(len(it.request.block_table) for it in batch.items)
+        static = self.decode_grid.lookup(len(batch.items), width)
+        if static is None:
+            self.decode_grid.fallbacks += 1
+            return None
+        assert isinstance(static, DecodeRunner)
+        self.decode_grid.hits += 1
+        packed = pack(batch, self.block_size, self.device)
+        meta = packed.meta
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        return static.run_decode(packed.input_ids, packed.positions, meta.slot_mapping, meta.decode_block_tables,
+                                 meta.decode_context_lens), packed
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch]:
+        decoded = self._forward_decode(batch)
+        if decoded is not None:
+            return decoded
         static = None
         if batch.bucket is not None:
             static = self.grid.lookup(len(batch.items), batch.bucket) if self.grid else None

@@ -13,10 +13,13 @@ from torch import nn
 
 from plaserve.engine.attention import AttentionMetadata, attention
 from plaserve.model.config import ModelConfig
+from plaserve.model.fused import FusedKernels, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 like the reference implementation."""
+    """Root-mean-square layer norm, computed in float32 like the reference implementation (the
+    arithmetic is :func:`plaserve.model.fused.rms_norm`; a decoder layer fuses it with the residual add
+    before it)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -24,13 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalising in float32 then scaling in the model dtype matches the reference's rounding. The
-        # mean square comes from one reduction pass (vector_norm): on CPU that is 30 % faster than
-        # torch's rms_norm, which squares into a temporary first.
-        xf = x.float()
-        mean_square = torch.linalg.vector_norm(xf, dim=-1, keepdim=True).square_().div_(x.shape[-1])
-        inv_rms = mean_square.add_(self.eps).rsqrt_()
-        return (xf * inv_rms).to(x.dtype).mul_(self.weight)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -70,36 +67,38 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary_(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Rotate ``x`` (``[T, heads, D]``, possibly a strided view) in place by the ``(cos, sin)`` rows."""
-    cos, sin = rope
-    if x.dtype != torch.float32:
-        # Half precision: rotate in float32 and round once, as the reference implementation does.
-        x1, x2 = x.float().chunk(2, dim=-1)
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-        return
-    # float32: in place, one temporary (about a third of the memory passes of the out-of-place form).
-    x1, x2 = x.chunk(2, dim=-1)
-    x1_sin = x1 * sin
-    x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
-    x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
+def _can_prepack() -> bool:
+    """Whether this torch build has oneDNN's prepacked linear (its CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 class Projection:
     """One or more ``nn.Linear`` layers that read the same input, run as a single matmul (one wide GEMM
-    is faster than several narrow ones); their parameters become views of the fused weight, so nothing
-    is stored twice. Build it once the weights are final and on their device.
+    is faster than several narrow ones); their parameters become views of the fused weight. Build it
+    once the weights are final and on their device.
 
-    On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
-    (a decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear`` hands
-    it, and long prefills run as fast.
+    The fused weight is kept in the layout its device and dtype multiply fastest by:
+
+    * CPU, float32: transposed (``[in, out]``, contiguous): MKL multiplies a few rows (a decode batch) by
+      that layout up to twice as fast as by the ``[out, in]`` one ``F.linear`` hands it, and long
+      prefills as fast;
+    * CPU, bfloat16 / float16: a copy prepacked into oneDNN's blocked layout (``mkldnn._linear_pointwise``),
+      beside the plain weight the parameters view (so these weights take twice their size). Unpacked,
+      oneDNN repacks the whole weight on every call, which costs more than the multiplication itself
+      for the few rows of a decode batch;
+    * elsewhere: as ``nn.Linear`` stores it, through ``F.linear``.
     """
+
+    # Rows oneDNN is told to expect when it picks the packed layout: a decode batch. The layout it
+    # picks for 16 rows multiplies long prefills as fast as one picked for them.
+    PACK_ROWS_HINT = 16
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         with torch.no_grad():
             weight = torch.cat([lin.weight for lin in linears])
             bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            self.transposed = weight.device.type == "cpu"
+            cpu = weight.device.type == "cpu"
+            self.transposed = cpu and weight.dtype == torch.float32
             if self.transposed:
                 weight = weight.t().contiguous()
             start = 0
@@ -109,9 +108,13 @@ class Projection:
                 if bias is not None:
                     lin.bias.data = bias[start:start + rows]
                 start += rows
+            self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
+                           if cpu and not self.transposed and _can_prepack() else None)
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
         out = x @ self.weight
@@ -134,13 +137,10 @@ class MLP(nn.Module):
         """Run gate and up as one matmul, and every projection in its fastest layout (:class:`Projection`)."""
         self.gate_up, self.down = Projection([self.gate_proj, self.up_proj]), Projection([self.down_proj])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernels: FusedKernels) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(nn.functional.silu(gate, inplace=True).mul_(up))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        # In place: these [tokens, intermediate] tensors are the largest activations of the model.
-        return self.down(nn.functional.silu(gate, inplace=True).mul_(up))
+            return self.down_proj(kernels.silu_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+        return self.down(kernels.silu_mul(self.gate_up(x)))
 
 
 class Attention(nn.Module):
@@ -163,25 +163,25 @@ class Attention(nn.Module):
         self.qkv, self.o = Projection([self.q_proj, self.k_proj, self.v_proj]), Projection([self.o_proj])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
+                kernels: FusedKernels) -> torch.Tensor:
         t, h, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)
-            # q and k sit side by side in the fused output: rotate them in one pass, in place.
-            qk = qkv[:, :(h + hk) * d].view(t, h + hk, d)
-            apply_rotary_(qk, rope)
-            q, k = qk.split([h, hk], dim=1)
             v = qkv[:, (h + hk) * d:].view(t, hk, d)
+            qkv = qkv[:, :(h + hk) * d].view(t, h + hk, d)
         else:
-            q, k, v = self.q_proj(x).view(t, h, d), self.k_proj(x).view(t, hk, d), self.v_proj(x).view(t, hk, d)
-            apply_rotary_(q, rope)
-            apply_rotary_(k, rope)
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1).view(t, h + hk, d)
+            v = self.v_proj(x).view(t, hk, d)
+        # q and k sit side by side in the fused output: rotate them in one pass.
+        q, k = kernels.rotary(qkv, *rope).split([h, hk], dim=1)
         o = attention(q, k, v, kv_cache, meta, self.scale).view(t, -1)
         return self.o(o) if self.o is not None else self.o_proj(o)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block. It takes and returns the hidden states with the residual stream
+    beside them, the residual add not yet done: each norm runs fused with the add before it."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -190,8 +190,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata) -> torch.Tensor:
-        # Residual adds in place on the fresh sublayer outputs: no extra [T, hidden] allocations.
-        x = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
+                kernels: FusedKernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sublayer output, residual)`` after this block, for ``x`` and ``residual`` before it
+        (``residual`` None: ``x`` is the embedding, the first block's input)."""
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = norm(x), x
+        else:
+            h, residual = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, rope, kv_cache, meta, kernels)
+        norm = self.post_attention_layernorm
+        h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, kernels), residual

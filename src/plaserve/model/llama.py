@@ -7,6 +7,7 @@ from torch import nn
 
 from plaserve.engine.attention import AttentionMetadata
 from plaserve.model.config import ModelConfig
+from plaserve.model.fused import FusedKernels
 from plaserve.model.layers import DecoderLayer, Projection, RMSNorm, RotaryEmbedding
 
 
@@ -33,6 +34,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.head: Projection | None = None
+        self.kernels = FusedKernels()  # eager until compile_kernels()
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single matmuls and lay every projection out for speed
@@ -43,15 +45,21 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.tie_word_embeddings:  # a tied head stays the embedding table's layout
             self.head = Projection([self.lm_head])
 
+    def compile_kernels(self, min_tokens: int | None) -> None:
+        """Run the elementwise work of steps of at least ``min_tokens`` tokens compiled (None: all
+        eager); see :mod:`plaserve.model.fused`."""
+        self.kernels = FusedKernels(min_tokens)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a packed batch; writes its K/V into ``kv_caches`` when given."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         rope = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, None if kv_caches is None else kv_caches[i], meta, self.kernels)
+        norm = self.model.norm
+        return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,15 +34,59 @@ class LoadedModel:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``"auto"``: CUDA when available, else the CPU; any other name as torch spells it."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
 
 
+def _cpuinfo_flags() -> set[str]:
+    """The feature flags of the first CPU in ``/proc/cpuinfo`` (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_support() -> str | None:
+    """The instruction set this CPU multiplies bfloat16 with natively, ``"AMX"`` or ``"AVX512-BF16"``,
+    or None. Without either, oneDNN widens bfloat16 to float32 element by element and a bfloat16 matmul
+    runs slower than a float32 one; with AMX it runs several times faster."""
+    # torch's own probes also check that the OS enabled AMX's tile state; they are private, so fall
+    # back to the kernel's flags (which it lists only for features it supports) where they are missing.
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if amx is not None and avx512_bf16 is not None:
+        if amx():
+            return "AMX"
+        return "AVX512-BF16" if avx512_bf16() else None
+    flags = _cpuinfo_flags()
+    if "amx_bf16" in flags:
+        return "AMX"
+    return "AVX512-BF16" if "avx512_bf16" in flags else None
+
+
+def auto_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype ``--dtype auto`` picks on ``device``, and why: bfloat16 on CUDA and on CPUs with native
+    bfloat16 matmuls, float32 on other CPUs."""
+    if device.type == "cuda":
+        return torch.bfloat16, "CUDA device"
+    isa = cpu_bf16_support()
+    if isa is not None:
+        return torch.bfloat16, f"this CPU multiplies bfloat16 natively ({isa})"
+    return torch.float32, "this CPU has no native bfloat16 matmul (no AMX, no AVX512-BF16)"
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype named ``dtype`` (``auto``: see :func:`auto_dtype`; the choice is logged)."""
     if dtype == "auto":
-        # bfloat16 matmuls are hundreds of times slower than float32 on CPUs without AMX.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        chosen, why = auto_dtype(device)
+        log.info("dtype auto: %s (%s)", str(chosen).removeprefix("torch."), why)
+        return chosen
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

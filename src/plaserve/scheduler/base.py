@@ -163,8 +163,10 @@ class Scheduler:
                            preempted: list[Request]) -> bool:
         """Reserve blocks for a running request, preempting the newest running requests that are
         not in ``scheduled`` when memory is short. False if ``req`` itself had to go."""
-        busy = {id(item.request) for item in scheduled}
         while not self.can_reserve(req, num_tokens):
+            # Built only when memory is short: for every request of a decode batch it would cost
+            # O(batch) each, O(batch^2) a step.
+            busy = {id(item.request) for item in scheduled}
             victims = [r for r in self.running if id(r) not in busy]
             victim = victims[-1]  # req itself is unscheduled, so never empty
             self.preempt(victim)

@@ -36,11 +36,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait before new ones get 429 (default: unbounded)")
     p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests holding KV blocks at once")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32), float32, "
+                        "bfloat16 or float16")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-online-refit", action="store_true",
                    help="keep the cost model fixed (default: refit it on the engine's own prefill timings)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="CPU: run the elementwise kernels eagerly (default: torch.compile them for large steps)")
     p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
     http = p.add_argument_group("HTTP limits", "what one connection or request may take of the server")
     http.add_argument("--header-timeout", type=float, default=10.0,
@@ -84,6 +88,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs["profile"] = args.profile
     if args.no_online_refit:
         kwargs["online_refit"] = False
+    if args.no_compile:
+        kwargs["compile_min_tokens"] = None
     for flag, _, _ in SCHEDULER_FLAGS:
         name = flag[2:].replace("-", "_")
         value = getattr(args, name)

@@ -163,6 +163,9 @@ class EngineCollector(Collector):
                 ("plaserve_prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
                 ("plaserve_grid_hits", "grid_hits", "Short batches run on a pre-built (batch, bucket) runner"),
                 ("plaserve_grid_fallbacks", "grid_fallbacks", "Short batches that fell back to the eager path"),
+                ("plaserve_decode_grid_hits", "decode_grid_hits", "Decode steps run on a pre-built (batch, blocks) runner"),
+                ("plaserve_decode_grid_fallbacks", "decode_grid_fallbacks",
+                 "Decode steps that fell back to the eager path (the decode grid had no room)"),
                 ("plaserve_engine_steps", "num_steps", "Engine steps run"),
                 ("plaserve_preemptions", "num_preemptions", "Requests preempted for KV memory")):
             yield CounterMetricFamily(name, doc, value=float(stats.get(key, 0)))

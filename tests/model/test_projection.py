@@ -1,0 +1,36 @@
+"""Fused projections: every layout multiplies as ``nn.Linear`` does, and the parameters stay views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from plaserve.model.layers import Projection, _can_prepack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projection_equals_its_linears(dtype, bias):
+    gen = torch.Generator().manual_seed(0)
+    linears = [nn.Linear(48, n, bias=bias).to(dtype) for n in (32, 16, 16)]
+    with torch.no_grad():
+        for lin in linears:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+            if bias:
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
+    expected = [lin.weight.float().clone() for lin in linears]
+    proj = Projection(linears)
+    assert proj.transposed == (dtype == torch.float32)
+    assert (proj.packed is not None) == (dtype == torch.bfloat16 and _can_prepack())
+    for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
+        assert torch.equal(lin.weight.float(), w) and lin.weight.untyped_storage().data_ptr() == \
+            proj.weight.untyped_storage().data_ptr()
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 48, generator=gen).to(dtype)
+        want = torch.cat([nn.functional.linear(x.float(), lin.weight.float(),
+                                               None if lin.bias is None else lin.bias.float()) for lin in linears], -1)
+        got = proj(x)
+        assert got.dtype == dtype and got.shape == (rows, 64)
+        # bfloat16 rounds the output once (values up to ~30 here: 8 bits of mantissa)
+        torch.testing.assert_close(got.float(), want, atol=1e-4 if dtype == torch.float32 else 0.25, rtol=1e-2)
