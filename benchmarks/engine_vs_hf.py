@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 from plaserve import LLM, SamplingParams
-from plaserve.engine.attention import AttentionMetadata, PrefillSeq
+from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.model.config import ModelConfig
 from plaserve.model.llama import LlamaForCausalLM as OurLlama
 from plaserve.model.loader import load_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plaserve.engine.attention import AttentionMetadata, attention
+from plaserve.model.attention import AttentionMetadata, attention
 
 BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 64, 4, 8, 2, 16
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from plaserve import LLM, SamplingParams
-from plaserve.engine.attention import AttentionMetadata, PrefillSeq
+from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.model.config import ModelConfig, UnsupportedModelError
 from plaserve.model.loader import load_model
 

@@ -19,7 +19,7 @@ import logging
 import torch
 from tqdm import tqdm
 
-from plaserve.engine.attention import AttentionMetadata
+from plaserve.model.attention import AttentionMetadata
 from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.model.llama import LlamaForCausalLM
 

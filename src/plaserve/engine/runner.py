@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from plaserve.engine.attention import AttentionMetadata, PrefillSeq
+from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.engine.graphs import DecodeRunner, GraphGrid
 from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.engine.sampler import apply_penalties, sample, token_logprobs

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plaserve.engine.attention import AttentionMetadata, attention
+from plaserve.model.attention import AttentionMetadata, attention
 from plaserve.model.config import ModelConfig
 from plaserve.model.fused import FusedKernels, rms_norm
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plaserve.engine.attention import AttentionMetadata
+from plaserve.model.attention import AttentionMetadata
 from plaserve.model.config import ModelConfig
 from plaserve.model.fused import FusedKernels
 from plaserve.model.layers import DecoderLayer, Projection, RMSNorm, RotaryEmbedding
