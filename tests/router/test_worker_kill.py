@@ -5,7 +5,6 @@ hangs, and the surviving worker holds no KV block afterwards."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -18,31 +17,10 @@ from plaserve.router.proxy import Router, serve
 from plaserve.launcher import ServerProcess, free_port
 
 from .conftest import FAST_HEALTH
+from .test_failover import outcome
 from .test_proxy import metric
 
 PROMPT = [3 + i % 200 for i in range(1500)]  # token ids inside the tiny checkpoint's vocabulary
-async def outcome(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> str:
-    """'ok' (all 10 tokens by the final usage, then [DONE]), 'stream_error' (an error event, then
-    [DONE]) or 'http_<status>'. Tokens are counted from the usage: a plaserve stream merges the tokens
-    a slow reader has not taken yet into one chunk."""
-    body = {"prompt": prompt, "max_tokens": 10, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            return f"http_{resp.status}"
-        tokens, error, done = 0, False, False
-        async for line in resp.content:
-            data = line.strip()[5:].strip() if line.startswith(b"data:") else b""
-            if data == b"[DONE]":
-                done = True
-            elif data:
-                event = json.loads(data)
-                error |= "error" in event
-                tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
-        assert done, "every stream ends with [DONE]"
-        return "stream_error" if error else ("ok" if tokens == 10 else f"short_{tokens}")
-
-
 WORKER_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "2048", "--policy", "fcfs"]
 
 
