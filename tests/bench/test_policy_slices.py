@@ -6,7 +6,7 @@ import dataclasses
 
 from plaserve.bench.offline import SloRule
 from plaserve.bench.policies import Slice
-from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table
+from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table, sweep_table, ttft_change
 from plaserve.config import EngineConfig, SchedulerConfig
 from plaserve.cost import CostModel
 
@@ -48,3 +48,19 @@ def test_fcfs_load_sets_the_utilization_the_issue_asks_for():
     assert row.load == load and abs(row.fcfs_utilization - 0.75) < 0.05
     busier = run_slice(dataclasses.replace(s, load=load * 1.3), CONFIG, COST, SLO, seconds=8.0, policies=("fcfs",))
     assert busier.fcfs_utilization > row.fcfs_utilization
+
+
+def test_the_load_sweep_table_has_a_row_per_level():
+    s = Slice("code", "azure_code_2023.csv", 0, 4000, 0.68)
+    levels = {}
+    for util in (0.2, 0.75):
+        load = fcfs_load(s, CONFIG, COST, SLO, util, seconds=8.0, steps=4)
+        levels[util] = [run_slice(dataclasses.replace(s, load=load), CONFIG, COST, SLO, seconds=8.0,
+                                  policies=("fcfs", "pla"), bounds=False)]
+    row = levels[0.75][0]
+    assert row.least_violations is None and row.online_violations == {}
+    assert set(row.ttft_ms) == {"fcfs", "pla"} and row.ttft_ms["pla"]["short"]["p50"] > 0
+    table = sweep_table(levels).splitlines()
+    assert len(table) == 4 and table[2].startswith("| 20% | 1 | ") and table[3].startswith("| 75% | 1 | ")
+    change = ttft_change(row, "short", "p50")
+    assert change is not None and change < 0  # the code trace's shorts gain at 75 %
