@@ -161,7 +161,6 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None
-    ready_time: float | None = None  # pla: when its short batch's window closed
     prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was produced
