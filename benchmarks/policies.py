@@ -16,8 +16,6 @@ Setup, fixed before looking at results:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time

@@ -20,7 +20,6 @@ import logging
 import random
 import time
 
-import torch
 from tqdm import tqdm
 
 from plaserve.plotting import pyplot

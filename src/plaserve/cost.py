@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from plaserve.model.config import ModelConfig
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 

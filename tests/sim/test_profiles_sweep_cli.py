@@ -12,7 +12,7 @@ from plaserve.cli import main
 from plaserve.profile import Profile
 from plaserve.router.config import RouterConfig
 from plaserve.sim.cli import parse_values
-from plaserve.sim.cluster import ClusterConfig, simulate
+from plaserve.sim.cluster import ClusterConfig
 from plaserve.cost import MODELS
 from plaserve.sim.profiles import analytic_profile, kv_capacity_tokens, load_sim_profile
 from plaserve.sim.sweep import at_rate, capacity, mean_rate
