@@ -69,6 +69,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -226,13 +227,33 @@ class VllmProcess(PlaserveProcess):
             env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
         return env
 
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the group, then remove the files Intel OpenMP registers in /dev/shm per process (vLLM
+        kills its own workers, so theirs are never cleaned up)."""
+        group = []
+        if self.proc is not None:
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # gone meanwhile
+                if int(fields[2]) == self.proc.pid:  # the process group id
+                    group.append(stat.parent.name)
+        super().stop(timeout)
+        for pid in group:
+            for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+                leftover.unlink(missing_ok=True)
+
     def start(self) -> "VllmProcess":
         try:
             super().start()
         except RuntimeError as e:
-            # The tail is mostly shutdown noise; the lines that say why come first.
-            errors = [line for line in self.log().splitlines() if "Error" in line or "error" in line][:20]
-            raise RuntimeError(f"vLLM failed to start: {e}\n--- error lines of its log ---\n" + "\n".join(errors)) from e
+            # The tail is mostly tracebacks and shutdown noise: the error lines come first, the last of
+            # them (usually the reason) in the headline.
+            errors = [line.strip() for line in self.log().splitlines()
+                      if re.search(r"(?i)error[:,]", line) and "WARNING" not in line][-20:]
+            raise RuntimeError(f"vLLM failed to start: {errors[-1] if errors else str(e).splitlines()[0]}\n"
+                               "--- error lines of its log ---\n" + "\n".join(errors) + f"\n--- {e}") from e
         return self
 
 
