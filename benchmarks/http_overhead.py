@@ -41,7 +41,9 @@ def cases(seed: int = 0) -> list[Case]:
     rng = random.Random(seed)
     ids = lambda n: [rng.randrange(10, 500) for _ in range(n)]  # noqa: E731
     out = [Case(f"decode batch {b}", [ids(32) for _ in range(b)], 128) for b in (1, 16, 64)]
-    out.append(Case("burst of 48 mixed", [ids(rng.choice([64, 256, 1024, 2048])) for _ in range(48)], 32))
+    out.append(
+        Case("burst of 48 mixed", [ids(rng.choice([64, 256, 1024, 2048])) for _ in range(48)], 32)
+    )
     return out
 
 
@@ -62,8 +64,13 @@ def offline(engine: LLMEngine, case: Case) -> float:
 
 async def over_http(url: str, case: Case, stream: bool) -> float:
     async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
-        body = {"prompt": prompt, "max_tokens": case.max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": stream}
+        body = {
+            "prompt": prompt,
+            "max_tokens": case.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": stream,
+        }
         async with session.post(f"{url}/v1/completions", json=body) as r:
             data = await r.read()
             assert r.status == 200, data[:300]
@@ -75,7 +82,9 @@ async def over_http(url: str, case: Case, stream: bool) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--reps", type=int, default=3, help="best of this many runs per case and side")
     p.add_argument("--out", default=None)
@@ -83,7 +92,16 @@ def main() -> int:
     load_before = os.getloadavg()[0]
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_args(args.dtype)))
     engine.warm_up()
-    flags = ["--kv-cache-memory", "1GiB", "--max-model-len", "4096", "--policy", "fcfs", "--dtype", args.dtype]
+    flags = [
+        "--kv-cache-memory",
+        "1GiB",
+        "--max-model-len",
+        "4096",
+        "--policy",
+        "fcfs",
+        "--dtype",
+        args.dtype,
+    ]
     rows = []
     with ServerProcess(flags) as server:
         for case in cases():
@@ -95,16 +113,26 @@ def main() -> int:
                 best["offline"] = min(best["offline"], offline(engine, case))
                 best["stream"] = min(best["stream"], asyncio.run(over_http(server.url, case, True)))
                 best["whole"] = min(best["whole"], asyncio.run(over_http(server.url, case, False)))
-            rows.append({"case": case.name, "output_tokens": tokens, **{k: round(v, 3) for k, v in best.items()}})
+            rows.append(
+                {
+                    "case": case.name,
+                    "output_tokens": tokens,
+                    **{k: round(v, 3) for k, v in best.items()},
+                }
+            )
             print(f"{case.name}: {best}", file=sys.stderr, flush=True)
     print(f"dtype {engine.dtype}, load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}\n")
-    print("| case | offline s | HTTP streamed s | HTTP whole s | streamed / offline | whole / offline | "
-          "offline tok/s | streamed tok/s |")
+    print(
+        "| case | offline s | HTTP streamed s | HTTP whole s | streamed / offline | whole / offline | "
+        "offline tok/s | streamed tok/s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['offline']:.3f} | {r['stream']:.3f} | {r['whole']:.3f} | "
-              f"{r['stream'] / r['offline']:.2f} | {r['whole'] / r['offline']:.2f} | "
-              f"{r['output_tokens'] / r['offline']:.0f} | {r['output_tokens'] / r['stream']:.0f} |")
+        print(
+            f"| {r['case']} | {r['offline']:.3f} | {r['stream']:.3f} | {r['whole']:.3f} | "
+            f"{r['stream'] / r['offline']:.2f} | {r['whole'] / r['offline']:.2f} | "
+            f"{r['output_tokens'] / r['offline']:.0f} | {r['output_tokens'] / r['stream']:.0f} |"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"dtype": str(engine.dtype), "rows": rows}, f, indent=1)

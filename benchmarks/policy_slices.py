@@ -48,7 +48,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from plaserve.bench.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
 from plaserve.bench.policies import Slice  # noqa: E402
-from plaserve.bench.policy_slices import fcfs_load, pooled_lines, run_slice, slices_table, sweep_table  # noqa: E402
+from plaserve.bench.policy_slices import (  # noqa: E402
+    fcfs_load,
+    pooled_lines,
+    run_slice,
+    slices_table,
+    sweep_table,
+)
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
 from plaserve.profile import Profile  # noqa: E402
@@ -58,8 +64,10 @@ TRACES = {"code": ("azure_code_2023.csv", 0.68), "conv": ("azure_conv_2023.csv",
 
 
 def describe(cost: CostModel) -> str:
-    return (f"c0={cost.c0 * 1e3:.2f} ms g1={cost.g1 * 1e6:.1f} us/token g2={cost.g2 * 1e9:.2f} ns/pair "
-            f"g3={cost.g3 * 1e6:.2f} us/cached token")
+    return (
+        f"c0={cost.c0 * 1e3:.2f} ms g1={cost.g1 * 1e6:.1f} us/token g2={cost.g2 * 1e9:.2f} ns/pair "
+        f"g3={cost.g3 * 1e6:.2f} us/cached token"
+    )
 
 
 def fit_models(warm_up_seconds: float = 30.0) -> tuple[CostModel, CostModel]:
@@ -67,18 +75,21 @@ def fit_models(warm_up_seconds: float = 30.0) -> tuple[CostModel, CostModel]:
     import torch
 
     sys.path.insert(0, HERE)
-    from sim_validation import StepLog, step_fit, trace_slice  # the simulator's own validation fits
-
     from plaserve.engine.engine import LLMEngine
     from plaserve.model.loader import load_model
+    from sim_validation import StepLog, step_fit, trace_slice  # the simulator's own validation fits
 
     torch.set_num_threads(1)
     loaded = load_model(None, torch.float32, torch.device("cpu"))
 
     def config(policy: str) -> EngineConfig:
-        return EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, scheduler=SchedulerConfig(policy=policy))
+        return EngineConfig(
+            kv_cache_memory="1GiB", max_model_len=4096, scheduler=SchedulerConfig(policy=policy)
+        )
 
-    iso = fit_cost_model(LLMEngine(config("fcfs"), loaded=loaded), lengths=(32, 128, 512, 1024, 2048), repeats=2)
+    iso = fit_cost_model(
+        LLMEngine(config("fcfs"), loaded=loaded), lengths=(32, 128, 512, 1024, 2048), repeats=2
+    )
     print(f"isolated prefill fit: {describe(iso)}", flush=True)
     log = StepLog()
     requests, _ = trace_slice(iso, 0.6, warm_up_seconds, start=1000)
@@ -92,20 +103,41 @@ def fit_models(warm_up_seconds: float = 30.0) -> tuple[CostModel, CostModel]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--profile", default=None,
-                   help="a calibrated profile whose cost model serves for both (default: fit both at the start)")
-    p.add_argument("--models", default=None,
-                   help="policy_slices.json of an earlier run: reuse its two fitted models (to compare code changes)")
-    p.add_argument("--code-starts", default="0:8000:1000", help="first rows of the code slices, START:STOP:STEP")
-    p.add_argument("--conv-starts", default="0:18000:2000", help="first rows of the conversation slices")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="a calibrated profile whose cost model serves for both (default: fit both at the start)",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help="policy_slices.json of an earlier run: reuse its two fitted models (to compare code changes)",
+    )
+    p.add_argument(
+        "--code-starts",
+        default="0:8000:1000",
+        help="first rows of the code slices, START:STOP:STEP",
+    )
+    p.add_argument(
+        "--conv-starts", default="0:18000:2000", help="first rows of the conversation slices"
+    )
     p.add_argument("--length-scale", type=float, default=0.25)
-    p.add_argument("--fcfs-util", type=float, default=0.75,
-                   help="set each slice's load so that fcfs keeps the simulated machine busy this share of the "
-                        "window (0: the fixed loads of benchmarks/policies.py)")
-    p.add_argument("--sweep", default=None,
-                   help="comma-separated fcfs utilisations (e.g. 0.2,0.4,0.6,0.75,0.9): the load sweep instead of "
-                        "the study at --fcfs-util")
+    p.add_argument(
+        "--fcfs-util",
+        type=float,
+        default=0.75,
+        help="set each slice's load so that fcfs keeps the simulated machine busy this share of the "
+        "window (0: the fixed loads of benchmarks/policies.py)",
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help="comma-separated fcfs utilisations (e.g. 0.2,0.4,0.6,0.75,0.9): the load sweep instead of "
+        "the study at --fcfs-util",
+    )
     p.add_argument("--out", default=None, help="folder for policy_slices.json")
     args = p.parse_args(argv)
 
@@ -120,11 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cost, step = fit_models()
     slo = SloRule(factor=5.0, floor=0.5)
-    config = EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, enable_prefix_caching=False,
-                          scheduler=SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor))
+    config = EngineConfig(
+        kv_cache_memory="1GiB",
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        scheduler=SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor),
+    )
     out: dict = {"cost_model": cost.as_dict(), "step_cost_model": step.as_dict(), "traces": {}}
     if args.sweep:
-        out["sweep"] = sweep(args, config, cost, step, slo, [float(u) for u in args.sweep.split(",")])
+        out["sweep"] = sweep(
+            args, config, cost, step, slo, [float(u) for u in args.sweep.split(",")]
+        )
         write(args.out, out)
         return 0
     for name, starts in (("code", args.code_starts), ("conv", args.conv_starts)):
@@ -134,18 +172,38 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for s in slices_of(name, starts):
             if args.fcfs_util:
-                s = dataclasses.replace(s, load=fcfs_load(s, config, cost, slo, args.fcfs_util, step_cost=step,
-                                                          length_scale=args.length_scale))
-            rows.append(run_slice(s, config, cost, slo, step_cost=step, length_scale=args.length_scale))
+                s = dataclasses.replace(
+                    s,
+                    load=fcfs_load(
+                        s,
+                        config,
+                        cost,
+                        slo,
+                        args.fcfs_util,
+                        step_cost=step,
+                        length_scale=args.length_scale,
+                    ),
+                )
+            rows.append(
+                run_slice(s, config, cost, slo, step_cost=step, length_scale=args.length_scale)
+            )
         loads = f"loads for fcfs at {args.fcfs_util:.0%}" if args.fcfs_util else f"load {load}"
-        print(f"\n== {file}: {len(rows)} slices from rows {start}..{stop} every {every}, {loads} "
-              f"({time.time() - t0:.0f} s)\n")
+        print(
+            f"\n== {file}: {len(rows)} slices from rows {start}..{stop} every {every}, {loads} "
+            f"({time.time() - t0:.0f} s)\n"
+        )
         print(slices_table(rows))
-        print("\n(x: target missed; b: missed, and beyond the bound: no scheduler could meet it on the slice)\n")
+        print(
+            "\n(x: target missed; b: missed, and beyond the bound: no scheduler could meet it on the slice)\n"
+        )
         pooled = pooled_lines(rows)
         print("\n".join(pooled))
-        out["traces"][name] = {"loads": [r.load for r in rows], "fcfs_util_target": args.fcfs_util or None,
-                               "pooled": pooled, "table": slices_table(rows)}
+        out["traces"][name] = {
+            "loads": [r.load for r in rows],
+            "fcfs_util_target": args.fcfs_util or None,
+            "pooled": pooled,
+            "table": slices_table(rows),
+        }
     write(args.out, out)
     return 0
 
@@ -157,8 +215,14 @@ def slices_of(name: str, starts: str) -> list[Slice]:
     return [Slice(name, file, first, 4000, load) for first in range(start, stop + 1, every)]
 
 
-def sweep(args: argparse.Namespace, config: EngineConfig, cost: CostModel, step: CostModel, slo: SloRule,
-          levels: list[float]) -> dict:
+def sweep(
+    args: argparse.Namespace,
+    config: EngineConfig,
+    cost: CostModel,
+    step: CostModel,
+    slo: SloRule,
+    levels: list[float],
+) -> dict:
     """The load sweep (module docstring): prints one table per trace, returns what the JSON keeps."""
     out: dict = {}
     for name, starts in (("code", args.code_starts), ("conv", args.conv_starts)):
@@ -167,18 +231,45 @@ def sweep(args: argparse.Namespace, config: EngineConfig, cost: CostModel, step:
         for util in levels:
             rows = []
             for s in slices_of(name, starts):
-                s = dataclasses.replace(s, load=fcfs_load(s, config, cost, slo, util, step_cost=step,
-                                                          length_scale=args.length_scale))
-                rows.append(run_slice(s, config, cost, slo, step_cost=step, length_scale=args.length_scale,
-                                      bounds=False))
+                s = dataclasses.replace(
+                    s,
+                    load=fcfs_load(
+                        s, config, cost, slo, util, step_cost=step, length_scale=args.length_scale
+                    ),
+                )
+                rows.append(
+                    run_slice(
+                        s,
+                        config,
+                        cost,
+                        slo,
+                        step_cost=step,
+                        length_scale=args.length_scale,
+                        bounds=False,
+                    )
+                )
             by_level[util] = rows
         table = sweep_table(by_level)
-        print(f"\n== {TRACES[name][0]}: load sweep over {len(by_level[levels[0]])} slices ({time.time() - t0:.0f} s)\n")
+        print(
+            f"\n== {TRACES[name][0]}: load sweep over {len(by_level[levels[0]])} slices ({time.time() - t0:.0f} s)\n"
+        )
         print(table)
-        out[name] = {"table": table, "levels": {
-            f"{util:g}": [{"start": r.start, "load": r.load, "fcfs_util": r.fcfs_utilization,
-                           "violations": r.violations, "ttft_ms": r.ttft_ms} for r in rows]
-            for util, rows in by_level.items()}}
+        out[name] = {
+            "table": table,
+            "levels": {
+                f"{util:g}": [
+                    {
+                        "start": r.start,
+                        "load": r.load,
+                        "fcfs_util": r.fcfs_utilization,
+                        "violations": r.violations,
+                        "ttft_ms": r.ttft_ms,
+                    }
+                    for r in rows
+                ]
+                for util, rows in by_level.items()
+            },
+        }
     return out
 
 

@@ -30,10 +30,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.cost import CostModel  # noqa: E402
-from plaserve.launcher import RouterProcess  # noqa: E402
-from plaserve.launcher import free_port  # noqa: E402
+from plaserve.launcher import (
+    RouterProcess,  # noqa: E402
+    free_port,  # noqa: E402
+)
+from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 
 BODY = {"prompt": list(range(10, 110)), "max_tokens": 1, "temperature": 0.0}
 
@@ -48,7 +50,9 @@ async def one(session: aiohttp.ClientSession, url: str, stream: bool) -> float:
     return time.perf_counter() - t
 
 
-async def latency(direct: str, routed: str, n: int, stream: bool, warmup: int) -> tuple[list[float], list[float]]:
+async def latency(
+    direct: str, routed: str, n: int, stream: bool, warmup: int
+) -> tuple[list[float], list[float]]:
     """Request times directly and through the router, interleaved (alternating which goes first) so
     that both see the same background load on the machine."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -98,8 +102,10 @@ def main() -> int:
     args = p.parse_args()
 
     backend_port = free_port()
-    backend = spawn([backend_port], FakeGpuConfig(CostModel(0.0, 0.0, source="instant"), tbt_s=0.0,
-                                                  max_output_tokens=1))
+    backend = spawn(
+        [backend_port],
+        FakeGpuConfig(CostModel(0.0, 0.0, source="instant"), tbt_s=0.0, max_output_tokens=1),
+    )
     router = RouterProcess([f"http://127.0.0.1:{backend_port}"], ["--policy", args.policy]).start()
     direct, routed = f"http://127.0.0.1:{backend_port}", router.url
     results: dict[str, dict] = {}
@@ -111,29 +117,49 @@ def main() -> int:
             rps_d = asyncio.run(throughput(direct, args.concurrency, args.seconds, stream))
             rps_r = asyncio.run(throughput(routed, args.concurrency, args.seconds, stream))
             d, r = pct(lat_d), pct(lat_r)
-            results[mode] = {"direct_ms": d, "router_ms": r, "added_p50_ms": r["p50"] - d["p50"],
-                             "direct_rps": rps_d, "router_rps": rps_r}
+            results[mode] = {
+                "direct_ms": d,
+                "router_ms": r,
+                "added_p50_ms": r["p50"] - d["p50"],
+                "direct_rps": rps_d,
+                "router_rps": rps_r,
+            }
     finally:
         router.stop()
         backend.terminate()
         backend.wait(10)
 
     load_after = os.getloadavg()[0]
-    print(f"policy {args.policy}; {args.requests} sequential requests after {args.warmup} warm-up; "
-          f"throughput with {args.concurrency} in flight for {args.seconds:g} s; machine load (1 min) "
-          f"{load_before:.1f} -> {load_after:.1f}")
-    print("| mode | direct p50 / p99 (ms) | via router p50 / p99 (ms) | added p50 (ms) | direct req/s | router req/s |")
+    print(
+        f"policy {args.policy}; {args.requests} sequential requests after {args.warmup} warm-up; "
+        f"throughput with {args.concurrency} in flight for {args.seconds:g} s; machine load (1 min) "
+        f"{load_before:.1f} -> {load_after:.1f}"
+    )
+    print(
+        "| mode | direct p50 / p99 (ms) | via router p50 / p99 (ms) | added p50 (ms) | direct req/s | router req/s |"
+    )
     print("|---|---|---|---|---|---|")
     for mode, r in results.items():
-        print(f"| {mode} | {r['direct_ms']['p50']:.2f} / {r['direct_ms']['p99']:.2f} | "
-              f"{r['router_ms']['p50']:.2f} / {r['router_ms']['p99']:.2f} | {r['added_p50_ms']:.2f} | "
-              f"{r['direct_rps']:.0f} | {r['router_rps']:.0f} |")
+        print(
+            f"| {mode} | {r['direct_ms']['p50']:.2f} / {r['direct_ms']['p99']:.2f} | "
+            f"{r['router_ms']['p50']:.2f} / {r['router_ms']['p99']:.2f} | {r['added_p50_ms']:.2f} | "
+            f"{r['direct_rps']:.0f} | {r['router_rps']:.0f} |"
+        )
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"policy": args.policy, "requests": args.requests, "concurrency": args.concurrency,
-                       "seconds": args.seconds, "loadavg_1min": [load_before, load_after], "results": results},
-                      f, indent=1)
+            json.dump(
+                {
+                    "policy": args.policy,
+                    "requests": args.requests,
+                    "concurrency": args.concurrency,
+                    "seconds": args.seconds,
+                    "loadavg_1min": [load_before, load_after],
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -44,14 +44,16 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.bench.policies import find_trace  # noqa: E402
+from plaserve.cost import analytic_cost  # noqa: E402
+from plaserve.launcher import (
+    RouterProcess,  # noqa: E402
+    free_port,  # noqa: E402
+)
+from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.workload.report import summarize  # noqa: E402
 from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
-from plaserve.launcher import RouterProcess  # noqa: E402
-from plaserve.launcher import free_port  # noqa: E402
-from plaserve.cost import analytic_cost  # noqa: E402
 
 POLICIES = ("round_robin", "least_requests", "least_tokens", "power_of_two", "pla")
 # pla without holding long requests in the router: what the hold horizon contributes.
@@ -59,9 +61,13 @@ VARIANTS = {"pla (no hold)": ("pla", ["--long-hold-horizon-ms", "inf"])}
 MODEL, GPU = "qwen2.5-32b", "H100"
 
 
-def scaled_trace(start: int, count: int, load: float, workers: int, max_output: int, cost) -> tuple[list[TraceRequest], float]:
+def scaled_trace(
+    start: int, count: int, load: float, workers: int, max_output: int, cost
+) -> tuple[list[TraceRequest], float]:
     """The trace rows, arrivals scaled so the predicted work is ``load`` of ``workers``' time."""
-    reqs = load_trace(find_trace("azure_code_2023.csv"), start=start, limit=count, max_output_tokens=max_output)
+    reqs = load_trace(
+        find_trace("azure_code_2023.csv"), start=start, limit=count, max_output_tokens=max_output
+    )
     work = sum(cost.prefill_time(r.prompt_tokens) for r in reqs)
     time_scale = work / (load * workers) / reqs[-1].arrival
     return [dataclasses.replace(r, arrival=r.arrival * time_scale) for r in reqs], time_scale
@@ -71,8 +77,14 @@ def fake_stats(urls: list[str]) -> list[float]:
     return [httpx.get(u + "/fake/stats", timeout=5).json()["busy_s"] for u in urls]
 
 
-def run_policy(label: str, policy: str, extra: list[str], urls: list[str], requests: list[TraceRequest],
-               slo: TtftSlo) -> dict:
+def run_policy(
+    label: str,
+    policy: str,
+    extra: list[str],
+    urls: list[str],
+    requests: list[TraceRequest],
+    slo: TtftSlo,
+) -> dict:
     with RouterProcess(urls, ["--policy", policy, *extra]) as router:
         time.sleep(1.0)  # a few /load polls, so the router knows the workers' cost model
         before = fake_stats(urls)
@@ -82,32 +94,55 @@ def run_policy(label: str, policy: str, extra: list[str], urls: list[str], reque
         busy = [b - a for a, b in zip(before, fake_stats(urls))]
         load_after = os.getloadavg()[0]
         workers_state = httpx.get(router.url + "/workers", timeout=5).json()
-    records = [dataclasses.replace(r, slo_ttft=slo.for_prompt(r.prompt_tokens)) for r in result.records]
+    records = [
+        dataclasses.replace(r, slo_ttft=slo.for_prompt(r.prompt_tokens)) for r in result.records
+    ]
     summary = summarize(records, result.duration_s)
     arr = np.asarray(busy)
-    out = {"label": label, "policy": policy, "args": extra, "summary": summary, "busy_s": busy,
-           "busy_cv": float(arr.std() / arr.mean()), "utilization": float(arr.sum() / (len(arr) * result.duration_s)),
-           "duration_s": result.duration_s, "router": workers_state.get("policy"),
-           "loadavg_1min": [load_before, load_after],
-           "ttft_ms": {cls: sorted(r.ttft * 1000 for r in records if r.ok and r.ttft is not None and r.length_class == cls)
-                       for cls in ("short", "long")}}
+    out = {
+        "label": label,
+        "policy": policy,
+        "args": extra,
+        "summary": summary,
+        "busy_s": busy,
+        "busy_cv": float(arr.std() / arr.mean()),
+        "utilization": float(arr.sum() / (len(arr) * result.duration_s)),
+        "duration_s": result.duration_s,
+        "router": workers_state.get("policy"),
+        "loadavg_1min": [load_before, load_after],
+        "ttft_ms": {
+            cls: sorted(
+                r.ttft * 1000
+                for r in records
+                if r.ok and r.ttft is not None and r.length_class == cls
+            )
+            for cls in ("short", "long")
+        },
+    }
     s, lg = summary["short"], summary["long"]
-    print(f"{label:>15}: short TTFT p50 {s['ttft_ms']['p50']:.0f} p99 {s['ttft_ms']['p99']:.0f} ms, long p50 "
-          f"{lg['ttft_ms']['p50']:.0f} p99 {lg['ttft_ms']['p99']:.0f} ms, SLO viol {summary['all']['slo_violation_rate']:.1%}, "
-          f"busy CV {out['busy_cv']:.1%}, util {out['utilization']:.0%}, errors {summary['all']['errors']}; "
-          f"machine load {load_before:.1f} -> {load_after:.1f}", flush=True)
+    print(
+        f"{label:>15}: short TTFT p50 {s['ttft_ms']['p50']:.0f} p99 {s['ttft_ms']['p99']:.0f} ms, long p50 "
+        f"{lg['ttft_ms']['p50']:.0f} p99 {lg['ttft_ms']['p99']:.0f} ms, SLO viol {summary['all']['slo_violation_rate']:.1%}, "
+        f"busy CV {out['busy_cv']:.1%}, util {out['utilization']:.0%}, errors {summary['all']['errors']}; "
+        f"machine load {load_before:.1f} -> {load_after:.1f}",
+        flush=True,
+    )
     return out
 
 
 def table(results: list[dict]) -> str:
-    head = ("| policy | short TTFT p50 (ms) | short p99 (ms) | long TTFT p50 (ms) | long p99 (ms) | SLO viol. short | "
-            "SLO viol. long | busy-time CV | utilization | errors |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| policy | short TTFT p50 (ms) | short p99 (ms) | long TTFT p50 (ms) | long p99 (ms) | SLO viol. short | "
+        "SLO viol. long | busy-time CV | utilization | errors |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     rows = [head]
     for r in results:
         s, lg, a = r["summary"]["short"], r["summary"]["long"], r["summary"]["all"]
-        rows.append(f"| {r['label']} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {lg['ttft_ms']['p50']:.0f} | "
-                    f"{lg['ttft_ms']['p99']:.0f} | {s['slo_violation_rate']:.1%} | {lg['slo_violation_rate']:.1%} | "
-                    f"{r['busy_cv']:.1%} | {r['utilization']:.0%} | {a['errors']} |")
+        rows.append(
+            f"| {r['label']} | {s['ttft_ms']['p50']:.0f} | {s['ttft_ms']['p99']:.0f} | {lg['ttft_ms']['p50']:.0f} | "
+            f"{lg['ttft_ms']['p99']:.0f} | {s['slo_violation_rate']:.1%} | {lg['slo_violation_rate']:.1%} | "
+            f"{r['busy_cv']:.1%} | {r['utilization']:.0%} | {a['errors']} |"
+        )
     return "\n".join(rows)
 
 
@@ -145,22 +180,36 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--start", type=int, default=3000, help="first trace row")
     p.add_argument("--count", type=int, default=1500, help="trace rows to replay")
-    p.add_argument("--load", type=float, default=0.75, help="predicted prefill work / worker time over the span")
+    p.add_argument(
+        "--load",
+        type=float,
+        default=0.75,
+        help="predicted prefill work / worker time over the span",
+    )
     p.add_argument("--max-output", type=int, default=4, help="clamp on output tokens")
     p.add_argument("--policies", nargs="*", default=[*POLICIES, *VARIANTS])
-    p.add_argument("--out", default=None, help="directory for router_policies.json and img/router_policies.png")
+    p.add_argument(
+        "--out", default=None, help="directory for router_policies.json and img/router_policies.png"
+    )
     args = p.parse_args()
 
     cost = analytic_cost(MODEL, GPU)
-    requests, time_scale = scaled_trace(args.start, args.count, args.load, args.workers, args.max_output, cost)
+    requests, time_scale = scaled_trace(
+        args.start, args.count, args.load, args.workers, args.max_output, cost
+    )
     slo = TtftSlo(cost={"g1": cost.g1, "g2": cost.g2, "c0": cost.c0, "source": cost.source})
     short = sum(r.prompt_tokens < slo.short_threshold for r in requests)
-    print(f"{len(requests)} requests (rows {args.start}-{args.start + len(requests) - 1} of azure_code_2023.csv, "
-          f"{short} short), time x{time_scale:.3f} -> {requests[-1].arrival:.1f} s; {args.workers} fake GPUs "
-          f"({cost.source}); {slo.describe()}", flush=True)
+    print(
+        f"{len(requests)} requests (rows {args.start}-{args.start + len(requests) - 1} of azure_code_2023.csv, "
+        f"{short} short), time x{time_scale:.3f} -> {requests[-1].arrival:.1f} s; {args.workers} fake GPUs "
+        f"({cost.source}); {slo.describe()}",
+        flush=True,
+    )
     ports = [free_port() for _ in range(args.workers)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    gpus = spawn(ports, FakeGpuConfig(cost, tbt_s=0.02, max_output_tokens=args.max_output, model_name=MODEL))
+    gpus = spawn(
+        ports, FakeGpuConfig(cost, tbt_s=0.02, max_output_tokens=args.max_output, model_name=MODEL)
+    )
     results = []
     try:
         for label in args.policies:
@@ -173,17 +222,36 @@ def main() -> int:
     print(table(results))
     by = {r["label"]: r for r in results}
     if "pla" in by and "round_robin" in by:
-        ratio = by["round_robin"]["summary"]["short"]["ttft_ms"]["p99"] / by["pla"]["summary"]["short"]["ttft_ms"]["p99"]
-        print(f"\npla vs round_robin: short TTFT p99 {ratio:.1f}x better; busy-time CV {by['pla']['busy_cv']:.1%} "
-              f"(round_robin {by['round_robin']['busy_cv']:.1%})")
+        ratio = (
+            by["round_robin"]["summary"]["short"]["ttft_ms"]["p99"]
+            / by["pla"]["summary"]["short"]["ttft_ms"]["p99"]
+        )
+        print(
+            f"\npla vs round_robin: short TTFT p99 {ratio:.1f}x better; busy-time CV {by['pla']['busy_cv']:.1%} "
+            f"(round_robin {by['round_robin']['busy_cv']:.1%})"
+        )
     if args.out:
         os.makedirs(os.path.join(args.out, "img"), exist_ok=True)
-        meta = {"trace": "azure_code_2023.csv", "start": args.start, "count": len(requests), "time_scale": time_scale,
-                "load": args.load, "workers": args.workers, "max_output_tokens": args.max_output,
-                "cost_model": cost.as_dict(), "slo": slo.describe()}
+        meta = {
+            "trace": "azure_code_2023.csv",
+            "start": args.start,
+            "count": len(requests),
+            "time_scale": time_scale,
+            "load": args.load,
+            "workers": args.workers,
+            "max_output_tokens": args.max_output,
+            "cost_model": cost.as_dict(),
+            "slo": slo.describe(),
+        }
         with open(os.path.join(args.out, "router_policies.json"), "w") as f:
-            json.dump({"setup": meta, "results": [{k: v for k, v in r.items() if k != "ttft_ms"} for r in results]},
-                      f, indent=1)
+            json.dump(
+                {
+                    "setup": meta,
+                    "results": [{k: v for k, v in r.items() if k != "ttft_ms"} for r in results],
+                },
+                f,
+                indent=1,
+            )
         plot(results, os.path.join(args.out, "img", "router_policies.png"))
         print(f"wrote {args.out}/router_policies.json and {args.out}/img/router_policies.png")
     return 0

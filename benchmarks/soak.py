@@ -36,9 +36,8 @@ from typing import Any
 
 import aiohttp
 
+from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess
 from plaserve.workload.trace import load_trace
-from plaserve.launcher import RouterProcess
-from plaserve.launcher import PlaserveProcess, ServerProcess
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
 SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--policy", "pla"]
@@ -89,26 +88,43 @@ async def kv_used(session: aiohttp.ClientSession, worker: str) -> int:
         return (await r.json())["kv"]["used_blocks"]
 
 
-async def one_request(session: aiohttp.ClientSession, target: Target, rng: random.Random, prompt_len: int,
-                      output_len: int) -> None:
+async def one_request(
+    session: aiohttp.ClientSession,
+    target: Target,
+    rng: random.Random,
+    prompt_len: int,
+    output_len: int,
+) -> None:
     """Send one request of a randomly chosen kind and count its outcome."""
     kind = rng.choices(["stream", "chat", "abandon", "n2", "bad"], weights=[55, 15, 10, 10, 10])[0]
     prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
     try:
         if kind == "bad":
-            async with session.post(f"{target.url}/v1/completions", data=rng.choice(BAD_BODIES),
-                                    headers={"Content-Type": "application/json"}) as r:
+            async with session.post(
+                f"{target.url}/v1/completions",
+                data=rng.choice(BAD_BODIES),
+                headers={"Content-Type": "application/json"},
+            ) as r:
                 await r.read()
                 target.count("refused_4xx" if 400 <= r.status < 500 else f"bad_got_{r.status}")
             return
         if kind == "chat":
-            body = {"messages": [{"role": "user", "content": "x" * prompt_len}], "max_tokens": output_len}
+            body = {
+                "messages": [{"role": "user", "content": "x" * prompt_len}],
+                "max_tokens": output_len,
+            }
             async with session.post(f"{target.url}/v1/chat/completions", json=body) as r:
                 await r.read()
                 target.count("ok" if r.status == 200 else f"http_{r.status}")
             return
-        body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "stream": kind != "n2",
-                "n": 2 if kind == "n2" else 1, "temperature": 0.8}
+        body = {
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "ignore_eos": True,
+            "stream": kind != "n2",
+            "n": 2 if kind == "n2" else 1,
+            "temperature": 0.8,
+        }
         async with session.post(f"{target.url}/v1/completions", json=body) as r:
             if r.status != 200:
                 await r.read()
@@ -133,7 +149,9 @@ async def one_request(session: aiohttp.ClientSession, target: Target, rng: rando
         target.count(f"client_error_{type(e).__name__}")
 
 
-async def drive(target: Target, arrivals: list[tuple[int, int]], rate: float, duration: float, seed: int) -> None:
+async def drive(
+    target: Target, arrivals: list[tuple[int, int]], rate: float, duration: float, seed: int
+) -> None:
     """Poisson arrivals at ``rate`` per second for ``duration`` seconds, lengths cycling over ``arrivals``."""
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -161,9 +179,16 @@ async def sample(targets: list[Target], start: float, every: float, stop: asynci
                     row[f"{role}_rss_mib"], row[f"{role}_fds"] = read_proc(proc.proc.pid)
                 row["kv_used"] = sum([await kv_used(session, w) for w in target.workers])
                 target.samples.append(row)
-            print(f"[{t:7.0f} s] " + "; ".join(
-                f"{tg.name}: " + ", ".join(f"{k} {v:.0f}" for k, v in tg.samples[-1].items() if k != "t")
-                for tg in targets), file=sys.stderr, flush=True)
+            print(
+                f"[{t:7.0f} s] "
+                + "; ".join(
+                    f"{tg.name}: "
+                    + ", ".join(f"{k} {v:.0f}" for k, v in tg.samples[-1].items() if k != "t")
+                    for tg in targets
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), every)
             if stop.is_set():
@@ -185,37 +210,60 @@ async def idle_kv(target: Target, timeout: float = 120.0) -> int:
 
 
 def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
-    lines = [f"Soak of {wall / 60:.1f} min at {args.rate} requests/s per target (Poisson), warm-up "
-             f"{args.warm_up:.0f} s excluded from the slopes; trace {TRACE.name}, lengths x{args.length_scale}.", "",
-             "| target | process | RSS first / last (MiB) | RSS slope (MiB/h) | fds first / last | fds slope (/h) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Soak of {wall / 60:.1f} min at {args.rate} requests/s per target (Poisson), warm-up "
+        f"{args.warm_up:.0f} s excluded from the slopes; trace {TRACE.name}, lengths x{args.length_scale}.",
+        "",
+        "| target | process | RSS first / last (MiB) | RSS slope (MiB/h) | fds first / last | fds slope (/h) |",
+        "|---|---|---|---|---|---|",
+    ]
     for tg in targets:
         warm = [s for s in tg.samples if s["t"] >= args.warm_up] or tg.samples
         for role in tg.processes:
             rss = [(s["t"], s[f"{role}_rss_mib"]) for s in warm]
             fds = [(s["t"], s[f"{role}_fds"]) for s in warm]
-            lines.append(f"| {tg.name} | {role} | {tg.samples[0][f'{role}_rss_mib']:.0f} / "
-                         f"{tg.samples[-1][f'{role}_rss_mib']:.0f} | {slope_per_hour(rss):+.1f} | "
-                         f"{tg.samples[0][f'{role}_fds']} / {tg.samples[-1][f'{role}_fds']} | "
-                         f"{slope_per_hour(fds):+.1f} |")
-    lines += ["", "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle |",
-              "|---|---|---|---|---|"]
+            lines.append(
+                f"| {tg.name} | {role} | {tg.samples[0][f'{role}_rss_mib']:.0f} / "
+                f"{tg.samples[-1][f'{role}_rss_mib']:.0f} | {slope_per_hour(rss):+.1f} | "
+                f"{tg.samples[0][f'{role}_fds']} / {tg.samples[-1][f'{role}_fds']} | "
+                f"{slope_per_hour(fds):+.1f} |"
+            )
+    lines += [
+        "",
+        "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle |",
+        "|---|---|---|---|---|",
+    ]
     for tg in targets:
-        errors = sum(v for k, v in tg.outcomes.items() if k.startswith(("http_5", "client_error", "bad_got", "stream")))
+        errors = sum(
+            v
+            for k, v in tg.outcomes.items()
+            if k.startswith(("http_5", "client_error", "bad_got", "stream"))
+        )
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(tg.outcomes.items()))
-        lines.append(f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors} | {tg.samples[-1]['leaked']} |")
+        lines.append(
+            f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors} | {tg.samples[-1]['leaked']} |"
+        )
     return "\n".join(lines)
 
 
 async def soak(targets: list[Target], args: argparse.Namespace) -> float:
     trace = load_trace(str(TRACE), limit=2000)
-    arrivals = [(max(1, min(1500, int(a.prompt_tokens * args.length_scale))), max(1, min(32, a.output_tokens)))
-                for a in trace]
+    arrivals = [
+        (
+            max(1, min(1500, int(a.prompt_tokens * args.length_scale))),
+            max(1, min(32, a.output_tokens)),
+        )
+        for a in trace
+    ]
     start = time.monotonic()
     stop = asyncio.Event()
     sampler = asyncio.ensure_future(sample(targets, start, args.sample_every, stop))
-    await asyncio.gather(*(drive(tg, arrivals, args.rate, args.duration, args.seed + i)
-                           for i, tg in enumerate(targets)))
+    await asyncio.gather(
+        *(
+            drive(tg, arrivals, args.rate, args.duration, args.seed + i)
+            for i, tg in enumerate(targets)
+        )
+    )
     stop.set()
     await sampler
     for tg in targets:
@@ -224,12 +272,22 @@ async def soak(targets: list[Target], args: argparse.Namespace) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 1800)")
-    p.add_argument("--rate", type=float, default=0.8, help="requests per second per target (default 0.8)")
-    p.add_argument("--sample-every", type=float, default=60.0, help="seconds between samples (default 60)")
-    p.add_argument("--warm-up", type=float, default=300.0, help="seconds left out of the slopes (default 300)")
-    p.add_argument("--length-scale", type=float, default=0.25, help="trace prompt lengths times this")
+    p.add_argument(
+        "--rate", type=float, default=0.8, help="requests per second per target (default 0.8)"
+    )
+    p.add_argument(
+        "--sample-every", type=float, default=60.0, help="seconds between samples (default 60)"
+    )
+    p.add_argument(
+        "--warm-up", type=float, default=300.0, help="seconds left out of the slopes (default 300)"
+    )
+    p.add_argument(
+        "--length-scale", type=float, default=0.25, help="trace prompt lengths times this"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for soak.json and soak.md")
     args = p.parse_args()
@@ -237,9 +295,15 @@ def main() -> int:
         single = stack.enter_context(ServerProcess(SERVER_ARGS))
         w1, w2 = (stack.enter_context(ServerProcess(SERVER_ARGS)) for _ in range(2))
         router = stack.enter_context(RouterProcess([w1.url, w2.url]))
-        targets = [Target("one server", single.url, {"server": single}, [single.url]),
-                   Target("router + 2 workers", router.url, {"router": router, "worker 1": w1, "worker 2": w2},
-                          [w1.url, w2.url])]
+        targets = [
+            Target("one server", single.url, {"server": single}, [single.url]),
+            Target(
+                "router + 2 workers",
+                router.url,
+                {"router": router, "worker 1": w1, "worker 2": w2},
+                [w1.url, w2.url],
+            ),
+        ]
         wall = asyncio.run(soak(targets, args))
     table = report(targets, args, wall)
     print(table)
@@ -247,8 +311,19 @@ def main() -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "soak.md").write_text(table + "\n")
-        (out / "soak.json").write_text(json.dumps({"args": vars(args), "wall_s": wall, "targets": [
-            {"name": tg.name, "outcomes": tg.outcomes, "samples": tg.samples} for tg in targets]}, indent=1))
+        (out / "soak.json").write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "wall_s": wall,
+                    "targets": [
+                        {"name": tg.name, "outcomes": tg.outcomes, "samples": tg.samples}
+                        for tg in targets
+                    ],
+                },
+                indent=1,
+            )
+        )
     leaked = sum(tg.samples[-1]["leaked"] for tg in targets)
     return 0 if leaked == 0 and not math.isnan(wall) else 1
 

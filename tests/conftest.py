@@ -219,8 +219,12 @@ def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
         tie_word_embeddings=False,
     )
     return _build_checkpoint(
-        str(tmp_path_factory.mktemp("llama")), LlamaForCausalLM, config, seed=1,
-        max_shard_size="100KB", hub_rope_form=True,
+        str(tmp_path_factory.mktemp("llama")),
+        LlamaForCausalLM,
+        config,
+        seed=1,
+        max_shard_size="100KB",
+        hub_rope_form=True,
     )
 
 
@@ -242,7 +246,9 @@ def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
         rope_theta=1000000.0,
         tie_word_embeddings=True,
     )
-    return _build_checkpoint(str(tmp_path_factory.mktemp("qwen2")), Qwen2ForCausalLM, config, seed=2)
+    return _build_checkpoint(
+        str(tmp_path_factory.mktemp("qwen2")), Qwen2ForCausalLM, config, seed=2
+    )
 
 
 @pytest.fixture(scope="session")
@@ -264,7 +270,11 @@ def mistral_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
         tie_word_embeddings=False,
     )
     return _build_checkpoint(
-        str(tmp_path_factory.mktemp("mistral")), MistralForCausalLM, config, seed=3, hub_rope_form=True
+        str(tmp_path_factory.mktemp("mistral")),
+        MistralForCausalLM,
+        config,
+        seed=3,
+        hub_rope_form=True,
     )
 
 
@@ -275,5 +285,9 @@ def qwen2_bf16_prompts() -> list[list[int]]:
     logit difference between plaserve and transformers in bfloat16, so no near-tie decides a token and
     bfloat16 runs can be compared token for token. Found by searching seeds (on a random model, greedy
     steps with near-ties are common: the median top-2 margin is ~0.16)."""
-    return [torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(1000 * n + seed)).tolist()
-            for n, seed in ((5, 28), (17, 14), (40, 15), (300, 20), (600, 14))]
+    return [
+        torch.randint(
+            0, 300, (n,), generator=torch.Generator().manual_seed(1000 * n + seed)
+        ).tolist()
+        for n, seed in ((5, 28), (17, 14), (40, 15), (300, 20), (600, 14))
+    ]

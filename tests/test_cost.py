@@ -10,7 +10,9 @@ from plaserve.cost import CostModel, OnlineCostModel, fit, fit_quality
 from plaserve.model.default import DEFAULT_CONFIG
 
 
-def noisy_samples(true: CostModel, n: int, noise: float, seed: int = 0) -> list[tuple[int, int, float]]:
+def noisy_samples(
+    true: CostModel, n: int, noise: float, seed: int = 0
+) -> list[tuple[int, int, float]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -33,7 +35,10 @@ def test_fit_recovers_known_coefficients_from_noisy_data():
 
 def test_fit_never_returns_negative_coefficients():
     # Pure linear data with noise: an unconstrained fit would put a small negative on some term.
-    samples = [(n, 0, 1e-3 * n * (1.02 if i % 2 else 0.98)) for i, n in enumerate([16, 32, 64, 128, 256, 512] * 3)]
+    samples = [
+        (n, 0, 1e-3 * n * (1.02 if i % 2 else 0.98))
+        for i, n in enumerate([16, 32, 64, 128, 256, 512] * 3)
+    ]
     model = fit(samples)
     assert min(model.g1, model.g2, model.g3, model.c0) >= 0
     assert model.g1 == pytest.approx(1e-3, rel=0.05)
@@ -53,7 +58,10 @@ def test_online_refit_converges_when_the_true_cost_changes():
     online = OnlineCostModel(before, window=128, refit_every=16)
     rng = random.Random(0)
     for _ in range(200):  # the hardware got slower: observations now follow `after`
-        work = [(rng.choice([32, 128, 512, 2048]), rng.choice([0, 1024])) for _ in range(rng.randint(1, 3))]
+        work = [
+            (rng.choice([32, 128, 512, 2048]), rng.choice([0, 1024]))
+            for _ in range(rng.randint(1, 3))
+        ]
         t = after.batch_time(work) * (1 + rng.uniform(-0.03, 0.03))
         online.observe(work, t)
     assert online.num_refits > 0 and online.model.source == "online"
@@ -68,7 +76,11 @@ def test_step_time_ratio_reports_how_far_steps_run_from_the_prediction():
 
     ratio = StepTimeRatio(window=2)
     assert ratio.ratio is None
-    for predicted, measured in ((1.0, 9.0), (1.0, 1.0), (2.0, 3.0)):  # the first falls out of the window
+    for predicted, measured in (
+        (1.0, 9.0),
+        (1.0, 1.0),
+        (2.0, 3.0),
+    ):  # the first falls out of the window
         ratio.observe(predicted, measured)
     assert ratio.ratio == pytest.approx(4.0 / 3.0)
 
@@ -76,11 +88,17 @@ def test_step_time_ratio_reports_how_far_steps_run_from_the_prediction():
     model = CostModel(g1=1e-4, g2=1e-8, c0=1e-3)
     slow = CostModel(g1=1.5e-4, g2=1.5e-8, c0=1.5e-3)
     clock = SimClock()
-    engine = LLMEngine(EngineConfig.from_kwargs(kv_cache_memory="256MiB", policy="fcfs"),
-                       runner=CostRunner(slow, clock), cost=model, clock=clock)
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(kv_cache_memory="256MiB", policy="fcfs"),
+        runner=CostRunner(slow, clock),
+        cost=model,
+        clock=clock,
+    )
     assert engine.load_report()["step_time_over_predicted"] is None
     for n in (50, 700, 3000):
-        engine.add_request([1 + i % 500 for i in range(n)], SamplingParams(max_tokens=3, ignore_eos=True))
+        engine.add_request(
+            [1 + i % 500 for i in range(n)], SamplingParams(max_tokens=3, ignore_eos=True)
+        )
     while engine.has_unfinished():
         engine.step()
     assert engine.load_report()["step_time_over_predicted"] == pytest.approx(1.5)

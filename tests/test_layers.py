@@ -13,7 +13,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Bottom first. A unit is a subpackage of plaserve or a top-level module; units in one layer do not
 # import each other.
 LAYERS: list[set[str]] = [
-    {"request", "kv_blocks", "json_body", "plotting"},  # requests, blocks, bodies: no model, no torch model
+    {
+        "request",
+        "kv_blocks",
+        "json_body",
+        "plotting",
+    },  # requests, blocks, bodies: no model, no torch model
     {"model"},  # the model, its layers and attention backends, tokenizers, weights
     {"cost"},  # prefill cost models: measured, from FLOPs, analytic
     {"slo", "profile"},  # the TTFT objective; calibrated profiles
@@ -48,9 +53,16 @@ def imports(path: Path) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from plaserve import json_body` imports a module; `from plaserve import LLM` the package.
-            names = [node.module] if node.module != ROOT else [
-                f"{ROOT}.{a.name}" if (SRC / ROOT / a.name).exists() or (SRC / ROOT / f"{a.name}.py").exists()
-                else ROOT for a in node.names]
+            names = (
+                [node.module]
+                if node.module != ROOT
+                else [
+                    f"{ROOT}.{a.name}"
+                    if (SRC / ROOT / a.name).exists() or (SRC / ROOT / f"{a.name}.py").exists()
+                    else ROOT
+                    for a in node.names
+                ]
+            )
             found.update(n for n in names if n.split(".")[0] == ROOT)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == ROOT)
@@ -76,5 +88,7 @@ def test_imports_run_one_way() -> None:
             elif other == ROOT:
                 continue  # `import plaserve` for __version__: the lazy __init__ imports nothing
             elif layer_of(other) >= layer_of(me):
-                bad.append(f"{module} (layer {layer_of(me)}) imports {target} (layer {layer_of(other)})")
+                bad.append(
+                    f"{module} (layer {layer_of(me)}) imports {target} (layer {layer_of(other)})"
+                )
     assert not bad, "\n".join(bad)

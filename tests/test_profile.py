@@ -11,8 +11,14 @@ import torch
 from plaserve import EngineConfig, LLMEngine
 from plaserve.cost import CostModel
 from plaserve.model.default import DEFAULT_CONFIG
-from plaserve.profile import (Profile, choose_long_chunk_size, choose_max_short_batch, choose_short_threshold,
-                              choose_window, fingerprint)
+from plaserve.profile import (
+    Profile,
+    choose_long_chunk_size,
+    choose_max_short_batch,
+    choose_short_threshold,
+    choose_window,
+    fingerprint,
+)
 from plaserve.sim.runner import CostRunner, SimClock
 
 
@@ -44,10 +50,17 @@ def test_window_bounds():
 
 
 def make_profile(**kw) -> Profile:
-    args = dict(cost_model=CostModel(g1=3e-4, g2=2e-7, c0=1e-3, source="profile"), short_threshold=256,
-                max_short_batch=4, long_chunk_size=1024, w_min=0.002, w_max=0.03,
-                fingerprint=fingerprint(DEFAULT_CONFIG, torch.float32, torch.device("cpu")),
-                fit={"held_out": {"mape": 0.05}}, measurements={"train": [[16, 0, 0.01]]})
+    args = dict(
+        cost_model=CostModel(g1=3e-4, g2=2e-7, c0=1e-3, source="profile"),
+        short_threshold=256,
+        max_short_batch=4,
+        long_chunk_size=1024,
+        w_min=0.002,
+        w_max=0.03,
+        fingerprint=fingerprint(DEFAULT_CONFIG, torch.float32, torch.device("cpu")),
+        fit={"held_out": {"mape": 0.05}},
+        measurements={"train": [[16, 0, 0.01]]},
+    )
     return Profile(**(args | kw))
 
 
@@ -61,7 +74,9 @@ def test_profile_round_trip(tmp_path):
 
 
 def test_fingerprint_mismatch_warns(tmp_path, caplog):
-    p = make_profile(fingerprint={"model": "0" * 16, "dtype": "bfloat16", "device": "H200", "torch": "2.0"})
+    p = make_profile(
+        fingerprint={"model": "0" * 16, "dtype": "bfloat16", "device": "H200", "torch": "2.0"}
+    )
     here = fingerprint(DEFAULT_CONFIG, torch.float32, torch.device("cpu"))
     with caplog.at_level(logging.WARNING):
         diffs = p.check(here)
@@ -81,8 +96,11 @@ def test_engine_started_with_a_profile_uses_its_threshold_grid_and_costs(tmp_pat
     make_profile().save(path)
     clock = SimClock()
     cost = CostModel(g1=3e-4, g2=2e-7, c0=1e-3)
-    engine = LLMEngine(EngineConfig.from_kwargs(profile=path, kv_cache_memory="256MiB", policy="pla"),
-                       runner=CostRunner(cost, clock), clock=clock)
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(profile=path, kv_cache_memory="256MiB", policy="pla"),
+        runner=CostRunner(cost, clock),
+        clock=clock,
+    )
     sched = engine.scheduler
     assert engine.cost == make_profile().cost_model
     assert sched.config.short_threshold == 256 and sched.shorts.buckets[-1] == 256

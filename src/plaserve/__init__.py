@@ -12,9 +12,14 @@ from typing import Any
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SchedulerConfig", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
-_WHERE = {"LLM": "plaserve.engine.llm", "LLMEngine": "plaserve.engine.engine", "EngineConfig": "plaserve.config",
-          "SchedulerConfig": "plaserve.config", "RequestOutput": "plaserve.request",
-          "SamplingParams": "plaserve.request"}
+_WHERE = {
+    "LLM": "plaserve.engine.llm",
+    "LLMEngine": "plaserve.engine.engine",
+    "EngineConfig": "plaserve.config",
+    "SchedulerConfig": "plaserve.config",
+    "RequestOutput": "plaserve.request",
+    "SamplingParams": "plaserve.request",
+}
 
 
 def __getattr__(name: str) -> Any:

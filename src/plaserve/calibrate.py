@@ -22,13 +22,19 @@ import time
 
 from tqdm import tqdm
 
-from plaserve.plotting import pyplot
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, Sample, fit, fit_quality
 from plaserve.engine.engine import LLMEngine
+from plaserve.plotting import pyplot
+from plaserve.profile import (
+    Profile,
+    choose_long_chunk_size,
+    choose_max_short_batch,
+    choose_short_threshold,
+    choose_window,
+    fingerprint,
+)
 from plaserve.request import SamplingParams
-from plaserve.profile import (Profile, choose_long_chunk_size, choose_max_short_batch, choose_short_threshold,
-                              choose_window, fingerprint)
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 from plaserve.scheduler.buckets import make_buckets
 
@@ -107,8 +113,13 @@ def held_out_points(max_len: int, count: int, seed: int) -> list[tuple[int, int]
     return pts
 
 
-def calibrate(engine: LLMEngine, budget_s: float = 240.0, held_out: int = 12, seed: int = 0,
-              progress: bool = True) -> Profile:
+def calibrate(
+    engine: LLMEngine,
+    budget_s: float = 240.0,
+    held_out: int = 12,
+    seed: int = 0,
+    progress: bool = True,
+) -> Profile:
     """Measure, fit and choose settings within about ``budget_s`` seconds."""
     cal = Calibrator(engine, seed)
     deadline = time.monotonic() + budget_s
@@ -126,12 +137,17 @@ def calibrate(engine: LLMEngine, budget_s: float = 240.0, held_out: int = 12, se
     # A point far above the fit was most likely slowed by something else on the machine (noise only
     # adds time): measure it again, keep the faster time, and refit.
     for i, (n, h, t) in enumerate(samples):
-        if t > 1.5 * cost.prefill_time(int(n), int(h)) and time.monotonic() < stop_grid + 0.1 * budget_s:
+        if (
+            t > 1.5 * cost.prefill_time(int(n), int(h))
+            and time.monotonic() < stop_grid + 0.1 * budget_s
+        ):
             samples[i] = (n, h, min(t, cal.prefill(int(n), int(h))[2]))
     cost = fit(samples, source="profile")
     test: list[Sample] = []
     stop_test = time.monotonic() + 0.30 * budget_s
-    for n, h in tqdm(held_out_points(engine.max_model_len, held_out, seed), desc="held-out", disable=not progress):
+    for n, h in tqdm(
+        held_out_points(engine.max_model_len, held_out, seed), desc="held-out", disable=not progress
+    ):
         if time.monotonic() > stop_test:
             break
         if cal.repeats * cost.prefill_time(n, h) > stop_test - time.monotonic():
@@ -154,11 +170,16 @@ def calibrate(engine: LLMEngine, budget_s: float = 240.0, held_out: int = 12, se
     w_min, w_max = choose_window(cost, batch_times[max_batch])
     quality = fit_quality(cost, test) if test else {}
     return Profile(
-        cost_model=cost, short_threshold=threshold, max_short_batch=max_batch,
-        long_chunk_size=choose_long_chunk_size(cost, threshold), w_min=w_min, w_max=w_max,
+        cost_model=cost,
+        short_threshold=threshold,
+        max_short_batch=max_batch,
+        long_chunk_size=choose_long_chunk_size(cost, threshold),
+        w_min=w_min,
+        w_max=w_max,
         fingerprint=fingerprint(engine.model_config, engine.dtype, engine.device),
         fit={"train": fit_quality(cost, samples), "held_out": quality},
-        measurements={"train": samples, "held_out": test, "batches": shapes})
+        measurements={"train": samples, "held_out": test, "batches": shapes},
+    )
 
 
 def plot_profile(profile: Profile, path: str) -> None:
@@ -172,17 +193,29 @@ def plot_profile(profile: Profile, path: str) -> None:
     for key, marker in (("train", "o"), ("held_out", "x")):
         pts = profile.measurements.get(key, [])
         if pts:
-            ax.scatter([t * 1e3 for _, _, t in pts], [cost.prefill_time(int(n), int(h)) * 1e3 for n, h, _ in pts],
-                       marker=marker, label=key.replace("_", "-"))
-    lo = min(t for key in ("train", "held_out") for _, _, t in profile.measurements.get(key, [])) * 1e3
-    hi = max(t for key in ("train", "held_out") for _, _, t in profile.measurements.get(key, [])) * 1e3
+            ax.scatter(
+                [t * 1e3 for _, _, t in pts],
+                [cost.prefill_time(int(n), int(h)) * 1e3 for n, h, _ in pts],
+                marker=marker,
+                label=key.replace("_", "-"),
+            )
+    lo = (
+        min(t for key in ("train", "held_out") for _, _, t in profile.measurements.get(key, []))
+        * 1e3
+    )
+    hi = (
+        max(t for key in ("train", "held_out") for _, _, t in profile.measurements.get(key, []))
+        * 1e3
+    )
     ax.plot([lo, hi], [lo, hi], "k--", lw=1)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("measured prefill (ms)")
     ax.set_ylabel("predicted (ms)")
     mape = profile.fit.get("held_out", {}).get("mape")
-    ax.set_title("cost model fit" + (f" (held-out MAPE {mape * 100:.1f}%)" if mape is not None else ""))
+    ax.set_title(
+        "cost model fit" + (f" (held-out MAPE {mape * 100:.1f}%)" if mape is not None else "")
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -191,9 +224,13 @@ def plot_profile(profile: Profile, path: str) -> None:
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    p.add_argument(
+        "model", nargs="?", default=None, help="model directory (default: the embedded model)"
+    )
     p.add_argument("--out", default="profile.json", help="profile to write")
-    p.add_argument("--plot", default=None, help="PNG of measured vs predicted (default: next to --out)")
+    p.add_argument(
+        "--plot", default=None, help="PNG of measured vs predicted (default: next to --out)"
+    )
     p.add_argument("--budget", type=float, default=240.0, help="time budget in seconds")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", default="1GiB")
@@ -202,9 +239,16 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    config = EngineConfig.from_kwargs(model=args.model, max_model_len=args.max_model_len, dtype=args.dtype,
-                                      device=args.device, kv_cache_memory=args.kv_cache_memory, policy="pla",
-                                      max_num_batched_tokens=16384, online_refit=False)
+    config = EngineConfig.from_kwargs(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        kv_cache_memory=args.kv_cache_memory,
+        policy="pla",
+        max_num_batched_tokens=16384,
+        online_refit=False,
+    )
     engine = LLMEngine(config, cost=CostModel(g1=1e-4, g2=1e-8, source="placeholder"))
     start = time.monotonic()
     profile = calibrate(engine, budget_s=args.budget)
@@ -218,17 +262,26 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def format_profile(profile: Profile) -> str:
     c = profile.cost_model
-    lines = ["| setting | value |", "|---|---|",
-             f"| c0 (per call) | {c.c0 * 1e3:.2f} ms |", f"| g1 (per token) | {c.g1 * 1e6:.2f} us |",
-             f"| g2 (per query-key pair) | {c.g2 * 1e9:.3f} ns |", f"| g3 (per cached token) | {c.g3 * 1e6:.3f} us |"]
+    lines = [
+        "| setting | value |",
+        "|---|---|",
+        f"| c0 (per call) | {c.c0 * 1e3:.2f} ms |",
+        f"| g1 (per token) | {c.g1 * 1e6:.2f} us |",
+        f"| g2 (per query-key pair) | {c.g2 * 1e9:.3f} ns |",
+        f"| g3 (per cached token) | {c.g3 * 1e6:.3f} us |",
+    ]
     for split in ("train", "held_out"):
         q = profile.fit.get(split) or {}
         if q:
-            lines.append(f"| fit on {split.replace('_', '-')} points (n={q['n']}) | MAPE {q['mape'] * 100:.1f}%, "
-                         f"R^2 {q['r2']:.4f} |")
-    lines += [f"| short_threshold | {profile.short_threshold} tokens |",
-              f"| max_short_batch | {profile.max_short_batch} |",
-              f"| long_chunk_size | {profile.long_chunk_size} tokens |",
-              f"| W_min / W_max | {profile.w_min * 1e3:.1f} / {profile.w_max * 1e3:.1f} ms |",
-              f"| fingerprint | {profile.fingerprint} |"]
+            lines.append(
+                f"| fit on {split.replace('_', '-')} points (n={q['n']}) | MAPE {q['mape'] * 100:.1f}%, "
+                f"R^2 {q['r2']:.4f} |"
+            )
+    lines += [
+        f"| short_threshold | {profile.short_threshold} tokens |",
+        f"| max_short_batch | {profile.max_short_batch} |",
+        f"| long_chunk_size | {profile.long_chunk_size} tokens |",
+        f"| W_min / W_max | {profile.w_min * 1e3:.1f} / {profile.w_max * 1e3:.1f} ms |",
+        f"| fingerprint | {profile.fingerprint} |",
+    ]
     return "\n".join(lines)

@@ -24,13 +24,23 @@ class SchedulerConfig:
     w_min: float = 0.001  # pla: batch window bounds
     w_max: float = 0.02
     max_consecutive_short: int = 6  # pla: short batches in a row while a long prefill waits
-    max_prefill_steps_between_decodes: int = 2  # pla: steps without decodes in a row (bounds time between tokens)
-    long_aging: float = 0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
+    max_prefill_steps_between_decodes: int = (
+        2  # pla: steps without decodes in a row (bounds time between tokens)
+    )
+    long_aging: float = (
+        0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
+    )
     light_load: float = 0.3  # pla: below this busy share of the last 10 s (and no short waiting) a long prefill runs whole (0: never)
     late_yield: float = 2.0  # pla: a request given up to keep others on time queues behind them until it has waited this many SLOs (0: never)
-    static_short_batches: bool = True  # pla: right-pad short batches to their (batch, bucket) grid shape
-    max_static_batch_tokens: int | None = None  # pla: most tokens in one padded batch (the engine sets it from cuda_graph_memory)
-    ttft_slo_factor: float = DEFAULT_FACTOR  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
+    static_short_batches: bool = (
+        True  # pla: right-pad short batches to their (batch, bucket) grid shape
+    )
+    max_static_batch_tokens: int | None = (
+        None  # pla: most tokens in one padded batch (the engine sets it from cuda_graph_memory)
+    )
+    ttft_slo_factor: float = (
+        DEFAULT_FACTOR  # TTFT SLO = max(floor, factor * predicted isolated prefill time)
+    )
     ttft_slo_floor: float = DEFAULT_FLOOR_S
 
     @property
@@ -52,7 +62,9 @@ class EngineConfig:
     # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32; or float32 / bfloat16 / float16
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 16384
+    max_model_len: int | None = (
+        None  # default: the model's max_position_embeddings, capped at 16384
+    )
     block_size: int = 16
     kv_cache_memory: str = "auto"  # auto: 2GiB on CPU, 0.8 of free memory on CUDA
     enable_prefix_caching: bool = True
@@ -72,7 +84,9 @@ class EngineConfig:
     # "auto" where CUDA graphs are captured (a replay per step); elsewhere padding only adds compute.
     # "always" / "never" force it (tests use "always" on CPU).
     pad_decode_batches: str = "auto"
-    profile: str | None = None  # calibrated profile (plaserve calibrate): cost model + scheduler settings
+    profile: str | None = (
+        None  # calibrated profile (plaserve calibrate): cost model + scheduler settings
+    )
     online_refit: bool = True  # refit the cost model on the engine's own prefill timings
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -13,9 +13,8 @@ measured on the device at start (:meth:`CostModel.from_flops`). For GPUs this ma
 
 from __future__ import annotations
 
-from collections import deque
-
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,7 +51,9 @@ class CostModel:
         return {"g1": self.g1, "g2": self.g2, "g3": self.g3, "c0": self.c0, "source": self.source}
 
     @classmethod
-    def from_flops(cls, cfg: ModelConfig, peak_flops: float, efficiency: float = 0.7) -> "CostModel":
+    def from_flops(
+        cls, cfg: ModelConfig, peak_flops: float, efficiency: float = 0.7
+    ) -> "CostModel":
         """Coefficients from FLOP counts at ``efficiency`` times ``peak_flops`` (FLOP/s)."""
         rate = peak_flops * efficiency
         embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
@@ -62,7 +63,9 @@ class CostModel:
         return cls(g1=linear / rate, g2=pair / rate, source="flops")
 
 
-def measure_peak_flops(device: "torch.device", dtype: "torch.dtype", size: int = 1024, seconds: float = 0.2) -> float:
+def measure_peak_flops(
+    device: "torch.device", dtype: "torch.dtype", size: int = 1024, seconds: float = 0.2
+) -> float:
     """FLOP/s of a square matmul on ``device``: the peak that FLOP-based estimates are scaled by."""
     import torch  # here, so that the router and simulator import this module without torch
 
@@ -82,7 +85,9 @@ def measure_peak_flops(device: "torch.device", dtype: "torch.dtype", size: int =
 
 # --- fitting ---------------------------------------------------------------------------------------
 
-Sample = tuple[float, float, float]  # (n new tokens, h cached tokens, measured seconds) of one prefill
+Sample = tuple[
+    float, float, float
+]  # (n new tokens, h cached tokens, measured seconds) of one prefill
 TERMS = ("c0", "g1", "g2", "g3")
 
 
@@ -117,10 +122,14 @@ def _nnls_relative(x: "np.ndarray", y: "np.ndarray") -> "np.ndarray | None":
 
 def _model(coef: "np.ndarray", terms: tuple[str, ...], source: str) -> CostModel:
     values = dict.fromkeys(TERMS, 0.0) | {t: float(c) for t, c in zip(terms, coef)}
-    return CostModel(g1=values["g1"], g2=values["g2"], g3=values["g3"], c0=values["c0"], source=source)
+    return CostModel(
+        g1=values["g1"], g2=values["g2"], g3=values["g3"], c0=values["c0"], source=source
+    )
 
 
-def fit(samples: list[Sample], terms: tuple[str, ...] = TERMS, source: str = "profile") -> CostModel:
+def fit(
+    samples: list[Sample], terms: tuple[str, ...] = TERMS, source: str = "profile"
+) -> CostModel:
     """Non-negative least-squares fit of the terms ``terms`` to ``(n, h, seconds)`` samples."""
     import numpy as np
 
@@ -141,8 +150,11 @@ def fit_quality(model: CostModel, samples: list[Sample]) -> dict[str, float]:
     y = np.array([t for _, _, t in samples])
     p = np.array([model.prefill_time(int(n), int(h)) for n, h, _ in samples])
     ss_res, ss_tot = float(((y - p) ** 2).sum()), float(((y - y.mean()) ** 2).sum())
-    return {"mape": float(np.mean(np.abs(p - y) / y)), "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-            "n": len(samples)}
+    return {
+        "mape": float(np.mean(np.abs(p - y) / y)),
+        "r2": 1 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        "n": len(samples),
+    }
 
 
 class StepTimeRatio:
@@ -183,7 +195,9 @@ class OnlineCostModel:
     when a fit is degenerate (e.g. every step the same size), the current model stays.
     """
 
-    def __init__(self, initial: CostModel, window: int = 256, refit_every: int = 32, min_samples: int = 24) -> None:
+    def __init__(
+        self, initial: CostModel, window: int = 256, refit_every: int = 32, min_samples: int = 24
+    ) -> None:
         self.model = initial
         self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
         self.rows: list[tuple[list[float], float]] = []
@@ -205,11 +219,14 @@ class OnlineCostModel:
         import numpy as np
 
         self.since_refit = 0
-        coef = _nnls_relative(np.array([f for f, _ in self.rows]), np.array([t for _, t in self.rows]))
+        coef = _nnls_relative(
+            np.array([f for f, _ in self.rows]), np.array([t for _, t in self.rows])
+        )
         if coef is None or coef[1] <= 0:
             return
         self.model = _model(coef, TERMS, "online")
         self.num_refits += 1
+
 
 # --- analytic cost models ------------------------------------------------------------------------
 # A model shape on a described GPU, for the simulator and the router at cluster scale. These are
@@ -244,11 +261,21 @@ HARDWARE = {
 }
 
 
-def _llama(arch: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int) -> ModelConfig:
-    return ModelConfig(architecture=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                       head_dim=hidden // heads, max_position_embeddings=32768,
-                       qkv_bias=arch == "Qwen2ForCausalLM")
+def _llama(
+    arch: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int
+) -> ModelConfig:
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        max_position_embeddings=32768,
+        qkv_bias=arch == "Qwen2ForCausalLM",
+    )
 
 
 MODELS = {
@@ -261,18 +288,24 @@ MODELS = {
 KERNELS_PER_LAYER = 14  # norms, projections, rope, attention, activation, residuals (eager)
 
 
-def analytic_cost(model: str | ModelConfig, hardware: str | Hardware, dtype_bytes: int = 2) -> CostModel:
+def analytic_cost(
+    model: str | ModelConfig, hardware: str | Hardware, dtype_bytes: int = 2
+) -> CostModel:
     """The cost model of ``model`` (a name from :data:`MODELS` or a config) on ``hardware``."""
     cfg = MODELS[model] if isinstance(model, str) else model
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     linear_flops = 2 * (cfg.num_params - embed)
     pair_flops = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
-    weights = (cfg.num_params - cfg.vocab_size * cfg.hidden_size) * dtype_bytes  # embedding rows are gathered
+    weights = (
+        cfg.num_params - cfg.vocab_size * cfg.hidden_size
+    ) * dtype_bytes  # embedding rows are gathered
     launches = KERNELS_PER_LAYER * cfg.num_hidden_layers * hw.launch_overhead
     name = model if isinstance(model, str) else cfg.architecture
-    return CostModel(g1=linear_flops / (hw.peak_flops * hw.linear_efficiency),
-                     g2=pair_flops / (hw.peak_flops * hw.attention_efficiency),
-                     g3=cfg.kv_bytes_per_token * dtype_bytes / hw.mem_bandwidth,
-                     c0=max(launches, weights / hw.mem_bandwidth),
-                     source=f"analytic:{name}@{hw.name}")
+    return CostModel(
+        g1=linear_flops / (hw.peak_flops * hw.linear_efficiency),
+        g2=pair_flops / (hw.peak_flops * hw.attention_efficiency),
+        g3=cfg.kv_bytes_per_token * dtype_bytes / hw.mem_bandwidth,
+        c0=max(launches, weights / hw.mem_bandwidth),
+        source=f"analytic:{name}@{hw.name}",
+    )

@@ -10,9 +10,17 @@ from plaserve.model.default import DEFAULT_MODEL_NAME
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model directory (default: the embedded random-weight model)")
-    p.add_argument("--kv-cache-memory", default="1GiB", help="KV cache size: bytes, 2GiB, or a fraction like 0.5")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face model directory (default: the embedded random-weight model)",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        default="1GiB",
+        help="KV cache size: bytes, 2GiB, or a fraction like 0.5",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
 
@@ -25,7 +33,12 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype)
+    llm = LLM(
+        args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt!r} -> {out.text!r} ({out.outputs[0].finish_reason})")
@@ -34,16 +47,26 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
-    p.add_argument("--skip-comparison", action="store_true",
-                   help="skip the ~2 minute policy comparison on a slice of the Azure code trace")
+    p.add_argument(
+        "--skip-comparison",
+        action="store_true",
+        help="skip the ~2 minute policy comparison on a slice of the Azure code trace",
+    )
 
 
 def run_demo(args: argparse.Namespace) -> int:
     print(f"plaserve demo — model: {args.model or DEFAULT_MODEL_NAME}")
     if args.model is None:
-        print("NOTE: the embedded default model has RANDOM WEIGHTS; its text is gibberish by design.\n")
+        print(
+            "NOTE: the embedded default model has RANDOM WEIGHTS; its text is gibberish by design.\n"
+        )
     t0 = time.perf_counter()
-    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len, dtype=args.dtype)
+    llm = LLM(
+        args.model,
+        kv_cache_memory=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+    )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s")
     prompts = ["The capital of France is", "def fibonacci(n):", "A" * 1500 + " summarize this."]
     params = SamplingParams(max_tokens=24, temperature=0.0)
@@ -52,16 +75,22 @@ def run_demo(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     print(f"\n{'prompt tokens':>13} {'cached':>6} {'TTFT ms':>8} {'out tokens':>10}  text")
     for o in outs:
-        print(f"{len(o.prompt_token_ids):>13} {o.num_cached_tokens:>6} {o.metrics.ttft * 1000:>8.0f} "
-              f"{len(o.token_ids):>10}  {o.text[:40]!r}")
+        print(
+            f"{len(o.prompt_token_ids):>13} {o.num_cached_tokens:>6} {o.metrics.ttft * 1000:>8.0f} "
+            f"{len(o.token_ids):>10}  {o.text[:40]!r}"
+        )
     print(f"\n{len(outs)} requests in one continuous batch: {wall:.2f}s wall")
     again = llm.generate(prompts[2:], params)[0]
-    print(f"the long prompt again: {again.num_cached_tokens} of {len(again.prompt_token_ids)} tokens from the "
-          f"prefix cache, TTFT {again.metrics.ttft * 1000:.0f} ms (first time {outs[2].metrics.ttft * 1000:.0f} ms)")
+    print(
+        f"the long prompt again: {again.num_cached_tokens} of {len(again.prompt_token_ids)} tokens from the "
+        f"prefix cache, TTFT {again.metrics.ttft * 1000:.0f} ms (first time {outs[2].metrics.ttft * 1000:.0f} ms)"
+    )
     if args.skip_comparison or args.model is not None:
         return 0
     del llm  # free its KV cache before the comparison builds its own engines
-    print("\n=== Scheduling policies on a real trace slice (pla = ours, fcfs = vLLM default, spf = shortest first)")
+    print(
+        "\n=== Scheduling policies on a real trace slice (pla = ours, fcfs = vLLM default, spf = shortest first)"
+    )
     from plaserve.bench.policies import main as compare
 
     # One thread: the comparison times policies on the wall clock, and a single-threaded engine is far

@@ -23,7 +23,9 @@ MAX_INT_DIGITS = 40  # digits of a number (2**128 has 39)
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")  # then a long number is a run of zeros
+_DIGITS_AS_ZERO = bytes.maketrans(
+    b"123456789", b"000000000"
+)  # then a long number is a run of zeros
 # A surrogate, escaped (\ud800-\udfff) or as raw bytes (json.loads decodes bytes with "surrogatepass").
 _SURROGATE = re.compile(rb"\\[uU][dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
 
@@ -44,7 +46,9 @@ def check_limits(raw: bytes) -> None:
         codes = np.frombuffer(brackets, dtype=np.uint8)
         depth = int(np.cumsum(np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)).max())
         if depth > MAX_JSON_DEPTH:
-            raise JsonBodyError(f"the JSON body nests {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+            raise JsonBodyError(
+                f"the JSON body nests {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed"
+            )
 
 
 def _check_unicode(value: Any) -> None:
@@ -56,8 +60,10 @@ def _check_unicode(value: Any) -> None:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    raise JsonBodyError(f"the body holds a string that is not valid Unicode ({e.reason} at "
-                                        f"character {e.start})") from None
+                    raise JsonBodyError(
+                        f"the body holds a string that is not valid Unicode ({e.reason} at "
+                        f"character {e.start})"
+                    ) from None
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
@@ -73,7 +79,9 @@ def loads(raw: bytes) -> Any:
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise JsonBodyError(f"request body is not valid JSON: {e}") from None
     except RecursionError:  # check_limits should have caught it: never a 500 all the same
-        raise JsonBodyError(f"the JSON body nests too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+        raise JsonBodyError(
+            f"the JSON body nests too deeply (at most {MAX_JSON_DEPTH} levels)"
+        ) from None
     if (b"\\" in raw or b"\xed" in raw) and _SURROGATE.search(raw):
         _check_unicode(value)
     return value

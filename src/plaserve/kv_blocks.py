@@ -41,7 +41,9 @@ class Block:
 class BlockAllocator:
     """Hands out blocks, counts references, and keeps the prefix-cache index."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is the null block)")
         self.block_size = block_size
@@ -105,10 +107,12 @@ class BlockAllocator:
             return []
         bs, key, ids = self.block_size, None, []
         for start in range(0, len(token_ids) - bs + 1, bs):
-            tokens = tuple(token_ids[start:start + bs])
+            tokens = tuple(token_ids[start : start + bs])
             key = block_key(key, tokens)
             bid = self.cached.get(key)
-            if bid is None or self.blocks[bid].tokens != tokens:  # tokens guard against hash collisions
+            if (
+                bid is None or self.blocks[bid].tokens != tokens
+            ):  # tokens guard against hash collisions
                 break
             ids.append(bid)
         return ids
@@ -125,7 +129,9 @@ class BlockAllocator:
         self.num_cache_hits += len(ids) * self.block_size
         return ids
 
-    def commit(self, block_table: list[int], token_ids: list[int], num_computed: int, num_committed: int) -> int:
+    def commit(
+        self, block_table: list[int], token_ids: list[int], num_computed: int, num_committed: int
+    ) -> int:
         """Index the blocks of ``block_table`` that became full and computed; returns the new count of
         committed blocks (the caller keeps it per request)."""
         if not self.enable_prefix_caching:
@@ -134,7 +140,7 @@ class BlockAllocator:
         key = self.blocks[block_table[num_committed - 1]].key if num_committed else None
         for i in range(num_committed, num_computed // bs):
             block = self.blocks[block_table[i]]
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             key = block_key(key, tokens)
             if block.key is None:
                 block.key, block.tokens = key, tokens

@@ -42,15 +42,24 @@ class PlaserveProcess:
 
     subcommand = "serve"
 
-    def __init__(self, args: list[str], *, host: str = "127.0.0.1", port: int | None = None,
-                 env: dict[str, str] | None = None, startup_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 120.0,
+    ) -> None:
         self.args = list(args)
         self.host = host
         self.port = port or free_port()
         self.env = env
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"plaserve-{self.subcommand}-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(
+            prefix=f"plaserve-{self.subcommand}-", suffix=".log", delete=False
+        )
 
     @property
     def url(self) -> str:
@@ -63,8 +72,17 @@ class PlaserveProcess:
 
     def command(self) -> list[str]:
         """The child's argv."""
-        return [sys.executable, "-m", "plaserve.cli", self.subcommand, *self.args, "--host", self.host,
-                "--port", str(self.port)]
+        return [
+            sys.executable,
+            "-m",
+            "plaserve.cli",
+            self.subcommand,
+            *self.args,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
 
     def child_env(self) -> dict[str, str]:
         """The child's environment."""
@@ -76,13 +94,20 @@ class PlaserveProcess:
 
     def start(self) -> "PlaserveProcess":
         """Launch the server and block until ``/health`` answers 200."""
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=self.child_env(),
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.child_env(),
+            start_new_session=True,
+        )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._kill_group(signal.SIGKILL)  # workers it forked before dying
-                raise RuntimeError(f"{self.label} exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+                raise RuntimeError(
+                    f"{self.label} exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     return self
@@ -91,12 +116,16 @@ class PlaserveProcess:
             time.sleep(0.1)
         tail = self.log()[-4000:]
         self.stop()
-        raise RuntimeError(f"{self.label} did not become healthy in {self.startup_timeout:.0f} s:\n{tail}")
+        raise RuntimeError(
+            f"{self.label} did not become healthy in {self.startup_timeout:.0f} s:\n{tail}"
+        )
 
     def _kill_group(self, sig: signal.Signals) -> None:
         if self.proc is not None:
             try:
-                os.killpg(self.proc.pid, sig)  # the child's pid is its group's id (start_new_session)
+                os.killpg(
+                    self.proc.pid, sig
+                )  # the child's pid is its group's id (start_new_session)
             except (ProcessLookupError, PermissionError):
                 pass  # the group is gone already
 
@@ -144,6 +173,16 @@ class RouterProcess(PlaserveProcess):
 
     subcommand = "route"
 
-    def __init__(self, worker_urls: list[str], args: list[str] | None = None, *, port: int | None = None,
-                 startup_timeout: float = 60.0) -> None:
-        super().__init__(["--worker-urls", *worker_urls, *(args or [])], port=port, startup_timeout=startup_timeout)
+    def __init__(
+        self,
+        worker_urls: list[str],
+        args: list[str] | None = None,
+        *,
+        port: int | None = None,
+        startup_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(
+            ["--worker-urls", *worker_urls, *(args or [])],
+            port=port,
+            startup_timeout=startup_timeout,
+        )

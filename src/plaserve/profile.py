@@ -53,8 +53,12 @@ def fingerprint(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> d
         name = torch.cuda.get_device_name(device)
     else:
         name = f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()} threads"
-    return {"model": hashlib.sha256(shape.encode()).hexdigest()[:16], "dtype": str(dtype).removeprefix("torch."),
-            "device": name, "torch": torch.__version__.split("+")[0]}
+    return {
+        "model": hashlib.sha256(shape.encode()).hexdigest()[:16],
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": name,
+        "torch": torch.__version__.split("+")[0],
+    }
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,13 @@ class Profile:
 
     def scheduler_overrides(self) -> dict[str, Any]:
         """The :class:`~plaserve.config.SchedulerConfig` fields this profile sets."""
-        return {"short_threshold": self.short_threshold, "max_short_batch": self.max_short_batch,
-                "long_chunk_size": self.long_chunk_size, "w_min": self.w_min, "w_max": self.w_max}
+        return {
+            "short_threshold": self.short_threshold,
+            "max_short_batch": self.max_short_batch,
+            "long_chunk_size": self.long_chunk_size,
+            "w_min": self.w_min,
+            "w_max": self.w_max,
+        }
 
     def save(self, path: str) -> None:
         data = dataclasses.asdict(self)
@@ -89,16 +98,24 @@ class Profile:
             data = json.load(f)
         version = data.get("version")
         if version != PROFILE_VERSION:
-            raise ValueError(f"{path}: profile version {version!r}, this plaserve reads version {PROFILE_VERSION}")
+            raise ValueError(
+                f"{path}: profile version {version!r}, this plaserve reads version {PROFILE_VERSION}"
+            )
         data["cost_model"] = CostModel(**data["cost_model"])
         return cls(**data)
 
     def check(self, expected: dict[str, str]) -> list[str]:
         """Fingerprint fields that differ from ``expected`` (and warn about them)."""
-        diffs = [f"{k}: profile {self.fingerprint.get(k)!r}, here {v!r}" for k, v in expected.items()
-                 if self.fingerprint.get(k) != v]
+        diffs = [
+            f"{k}: profile {self.fingerprint.get(k)!r}, here {v!r}"
+            for k, v in expected.items()
+            if self.fingerprint.get(k) != v
+        ]
         if diffs:
-            log.warning("profile was measured elsewhere (%s); its numbers may not hold here", "; ".join(diffs))
+            log.warning(
+                "profile was measured elsewhere (%s); its numbers may not hold here",
+                "; ".join(diffs),
+            )
         return diffs
 
 
@@ -106,7 +123,9 @@ def _pow2_round(x: float) -> int:
     return 2 ** round(math.log2(max(x, 1.0)))
 
 
-def choose_short_threshold(cost: CostModel, share: float = QUADRATIC_SHARE, lo: int = 64, hi: int = 4096) -> int:
+def choose_short_threshold(
+    cost: CostModel, share: float = QUADRATIC_SHARE, lo: int = 64, hi: int = 4096
+) -> int:
     """Length where the quadratic term reaches ``share`` of a token's marginal cost (see module doc)."""
     if cost.g2 <= 0:
         return hi
@@ -127,8 +146,9 @@ def choose_max_short_batch(batch_times: dict[int, float], gain: float = BATCH_GA
     return best
 
 
-def choose_long_chunk_size(cost: CostModel, short_threshold: int, overhead: float = CHUNK_OVERHEAD,
-                           hi: int = 8192) -> int:
+def choose_long_chunk_size(
+    cost: CostModel, short_threshold: int, overhead: float = CHUNK_OVERHEAD, hi: int = 8192
+) -> int:
     """Smallest power of two >= the short threshold whose ``c0`` is under ``overhead`` of its time."""
     chunk = short_threshold
     while chunk < hi and cost.c0 > overhead * cost.prefill_time(chunk):

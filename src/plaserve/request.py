@@ -63,7 +63,9 @@ class SamplingParams:
     value that gets past it can make the sampler produce NaN probabilities.
     """
 
-    n: int = 1  # choices per prompt (the offline LLM and the server fan out; an engine request is one)
+    n: int = (
+        1  # choices per prompt (the offline LLM and the server fan out; an engine request is one)
+    )
     max_tokens: int | None = 16  # None: as many as the context has room for
     temperature: float = 1.0  # below MIN_TEMPERATURE: greedy
     top_p: float = 1.0
@@ -74,14 +76,24 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # leave special tokens (eos, chat markers) out of the text
-    min_tokens: int = 0  # no eos, stop token or stop string ends the request before this many tokens
+    min_tokens: int = (
+        0  # no eos, stop token or stop string ends the request before this many tokens
+    )
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output already has
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output so far
-    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    repetition_penalty: float = (
+        1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    )
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
-    logit_bias: dict[int, float] | None = None  # added to these tokens' logits (OpenAI's, each in [-100, 100])
-    logprobs: int | None = None  # None: none; k: each sampled token's log-probability and the k most likely
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first (no prefix-cache reuse)
+    logit_bias: dict[int, float] | None = (
+        None  # added to these tokens' logits (OpenAI's, each in [-100, 100])
+    )
+    logprobs: int | None = (
+        None  # None: none; k: each sampled token's log-probability and the k most likely
+    )
+    prompt_logprobs: int | None = (
+        None  # the same for every prompt token after the first (no prefix-cache reuse)
+    )
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -121,13 +133,21 @@ class SamplingParams:
     def choices(self) -> list[SamplingParams]:
         """One single-choice copy per choice: choice ``j`` of a seeded request samples with ``seed + j``,
         so the choices differ and the request stays reproducible."""
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j) for j in range(self.n)]
+        return [
+            dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+            for j in range(self.n)
+        ]
 
     @property
     def penalised(self) -> bool:
         """Whether any penalty, bias or the ``min_tokens`` ban changes this request's logits."""
-        return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.logit_bias)
+        return bool(
+            self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+        )
 
 
 @dataclass(frozen=True)
@@ -161,7 +181,9 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None
-    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)  # (start, end, tokens)
+    prefill_chunks: list[tuple[float, float, int]] = field(
+        default_factory=list
+    )  # (start, end, tokens)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was produced
     finish_time: float | None = None
@@ -182,9 +204,17 @@ class Request:
     prefill, chunked prefill, decode and recompute after preemption are the same loop.
     """
 
-    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
-                 arrival_time: float = 0.0, prompt: str | None = None,
-                 detokenizer: Detokenizer | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        arrival_time: float = 0.0,
+        prompt: str | None = None,
+        detokenizer: Detokenizer | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
@@ -192,10 +222,14 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.output_token_ids: list[int] = []
-        self.output_logprobs: list[TokenLogprobs] = []  # one per output token when params.logprobs is set
+        self.output_logprobs: list[
+            TokenLogprobs
+        ] = []  # one per output token when params.logprobs is set
         # One per prompt token when params.prompt_logprobs is set (the first has none), filled as the
         # prefill computes them.
-        self.prompt_logprobs: list[TokenLogprobs | None] = [None] if params.prompt_logprobs is not None else []
+        self.prompt_logprobs: list[TokenLogprobs | None] = (
+            [None] if params.prompt_logprobs is not None else []
+        )
         self.token_ids = list(prompt_token_ids)  # prompt + output, the sequence the cache holds
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
@@ -208,9 +242,13 @@ class Request:
         self.eos_token_ids = () if params.ignore_eos else eos_token_ids
         self.output_text = ""  # detokenized output, cut at a stop string
         self.generator = None  # a torch.Generator when the request has its own seed
-        self.penalty_state: Any = None  # sampler.PenaltyState, from a penalised request's first sample
+        self.penalty_state: Any = (
+            None  # sampler.PenaltyState, from a penalised request's first sample
+        )
         self.length_class = "short"  # set by the scheduler on arrival: "short" or "long"
-        self.uncached_estimate = len(prompt_token_ids)  # prompt tokens not in the prefix cache on arrival
+        self.uncached_estimate = len(
+            prompt_token_ids
+        )  # prompt tokens not in the prefix cache on arrival
         self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival
 
     @property
@@ -230,7 +268,10 @@ class Request:
     def num_reusable_tokens(self) -> int:
         """How much of the sequence may come from the prefix cache: all but the last token (sampling
         needs its logits), and with prompt logprobs only what their computation has passed already."""
-        if self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens:
+        if (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        ):
             return len(self.prompt_logprobs) - 1
         return self.num_tokens - 1
 
@@ -244,8 +285,10 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={len(self.output_token_ids)}, "
-                f"computed={self.num_computed_tokens}, {self.status.value})")
+        return (
+            f"Request({self.request_id}, prompt={self.num_prompt_tokens}, out={len(self.output_token_ids)}, "
+            f"computed={self.num_computed_tokens}, {self.status.value})"
+        )
 
 
 @dataclass
@@ -271,7 +314,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for: one per prompt token
+    prompt_logprobs: list[TokenLogprobs | None] | None = (
+        None  # when asked for: one per prompt token
+    )
 
     @property
     def token_ids(self) -> list[int]:
@@ -283,10 +328,25 @@ class RequestOutput:
 
     @classmethod
     def of(cls, req: Request) -> "RequestOutput":
-        return cls(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                   outputs=[CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason,
-                                             req.stop_reason, None if req.params.logprobs is None
-                                             else req.output_logprobs[:len(req.output_token_ids)])],
-                   finished=req.finished, metrics=req.metrics, num_cached_tokens=req.metrics.num_cached_tokens,
-                   # Not copied: complete before the first token, never changed after.
-                   prompt_logprobs=None if req.params.prompt_logprobs is None else req.prompt_logprobs)
+        return cls(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    0,
+                    req.output_text,
+                    list(req.output_token_ids),
+                    req.finish_reason,
+                    req.stop_reason,
+                    None
+                    if req.params.logprobs is None
+                    else req.output_logprobs[: len(req.output_token_ids)],
+                )
+            ],
+            finished=req.finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.metrics.num_cached_tokens,
+            # Not copied: complete before the first token, never changed after.
+            prompt_logprobs=None if req.params.prompt_logprobs is None else req.prompt_logprobs,
+        )

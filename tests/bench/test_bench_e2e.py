@@ -9,10 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from plaserve.bench.client import ClientConfig, prompt_token_ids
-from plaserve.workload.trace import fit_to_context
-from plaserve.workload.trace import TraceRequest, synthetic_bimodal
 from plaserve.cli import main
 from plaserve.launcher import ServerProcess
+from plaserve.workload.trace import TraceRequest, fit_to_context, synthetic_bimodal
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +33,33 @@ def test_requests_are_fitted_to_the_context() -> None:
     assert fit_to_context(TraceRequest(0.0, 5000, 100), None) == TraceRequest(0.0, 5000, 100)
 
 
-def test_bench_synthetic_run(server: ServerProcess, tmp_path, capsys: pytest.CaptureFixture) -> None:
+def test_bench_synthetic_run(
+    server: ServerProcess, tmp_path, capsys: pytest.CaptureFixture
+) -> None:
     out = tmp_path / "bench"
-    status = main(["bench", "--url", server.url, "--synthetic", "--num-requests", "6", "--rate", "20",
-                   "--long-share", "0.5", "--seed", "1", "--out", str(out)])
+    status = main(
+        [
+            "bench",
+            "--url",
+            server.url,
+            "--synthetic",
+            "--num-requests",
+            "6",
+            "--rate",
+            "20",
+            "--long-share",
+            "0.5",
+            "--seed",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert status == 0
-    assert "cost model" in printed  # plaserve reports its cost model, so the SLO scales with the prompt
+    assert (
+        "cost model" in printed
+    )  # plaserve reports its cost model, so the SLO scales with the prompt
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"short", "long", "all"}
     assert summary["all"]["count"] == 6 and summary["all"]["errors"] == 0
@@ -52,7 +71,8 @@ def test_bench_synthetic_run(server: ServerProcess, tmp_path, capsys: pytest.Cap
     # Prompts of exact lengths, and ignore_eos with max_tokens: every request produced exactly its output length.
     expected = [fit_to_context(r, 2048) for r in synthetic_bimodal(6, 20, seed=1, long_share=0.5)]
     assert [(r["prompt_tokens"], r["output_tokens"]) for r in records] == [
-        (e.prompt_tokens, e.output_tokens) for e in expected]
+        (e.prompt_tokens, e.output_tokens) for e in expected
+    ]
     for name in ("ttft_cdf.png", "latency_over_time.png"):
         assert os.path.getsize(out / name) > 1000
     run = json.loads((out / "run.json").read_text())

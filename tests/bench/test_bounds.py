@@ -11,8 +11,16 @@ import pytest
 
 from plaserve import EngineConfig, LLMEngine
 from plaserve.bench import bounds
-from plaserve.bench.bounds import (ONLINE_ORDERS, Job, fewest_late, jobs_for, max_flow_fifo, min_slo_violations,
-                                   min_ttft_percentile, online_late)
+from plaserve.bench.bounds import (
+    ONLINE_ORDERS,
+    Job,
+    fewest_late,
+    jobs_for,
+    max_flow_fifo,
+    min_slo_violations,
+    min_ttft_percentile,
+    online_late,
+)
 from plaserve.bench.policies import ratio_lines
 from plaserve.cost import CostModel
 from plaserve.sim.replay import replay
@@ -32,7 +40,9 @@ def edf_on_time(jobs: tuple[Job, ...]) -> bool:
             t = min(jobs[i].arrival for i in left)
             continue
         i = min(ready, key=lambda i: jobs[i].deadline)
-        next_arrival = min((jobs[k].arrival for k in left if jobs[k].arrival > t + 1e-12), default=math.inf)
+        next_arrival = min(
+            (jobs[k].arrival for k in left if jobs[k].arrival > t + 1e-12), default=math.inf
+        )
         run = min(left[i], next_arrival - t)
         t += run
         left[i] -= run
@@ -52,8 +62,12 @@ def random_jobs(rng: random.Random, n: int, spread: float, slack: float = 3.0) -
 
 def brute_fewest_late(jobs: list[Job]) -> int:
     """Fewest late jobs by trying every subset to serve on time."""
-    return min(len(jobs) - k for k in range(len(jobs) + 1) for on_time in itertools.combinations(jobs, k)
-               if edf_on_time(on_time))
+    return min(
+        len(jobs) - k
+        for k in range(len(jobs) + 1)
+        for on_time in itertools.combinations(jobs, k)
+        if edf_on_time(on_time)
+    )
 
 
 @pytest.mark.parametrize("spread", [0.0, 2.0])  # all released at once; arrivals over two seconds
@@ -67,8 +81,10 @@ def test_fewest_late_is_exact(spread):
 def test_fifo_has_the_least_largest_flow_time():
     rng = random.Random(1)
     for _ in range(100):
-        jobs = sorted((Job(rng.uniform(0, 2), rng.uniform(0.1, 1), 0.0) for _ in range(rng.randint(1, 6))),
-                      key=lambda j: j.arrival)
+        jobs = sorted(
+            (Job(rng.uniform(0, 2), rng.uniform(0.1, 1), 0.0) for _ in range(rng.randint(1, 6))),
+            key=lambda j: j.arrival,
+        )
 
         def largest(order):
             t, worst = 0.0, 0.0
@@ -76,18 +92,27 @@ def test_fifo_has_the_least_largest_flow_time():
                 t = max(t, j.arrival) + j.work
                 worst = max(worst, t - j.arrival)
             return worst
-        assert max_flow_fifo(jobs) == pytest.approx(min(largest(p) for p in itertools.permutations(jobs)))
+
+        assert max_flow_fifo(jobs) == pytest.approx(
+            min(largest(p) for p in itertools.permutations(jobs))
+        )
 
 
 def sim_run(policy: str, arrivals: list[tuple[float, int]]) -> list:
     clock = SimClock()
-    cfg = EngineConfig.from_kwargs(kv_cache_memory="2GiB", enable_prefix_caching=False, policy=policy,
-                                   ttft_slo_floor=0.25, ttft_slo_factor=5.0)
+    cfg = EngineConfig.from_kwargs(
+        kv_cache_memory="2GiB",
+        enable_prefix_caching=False,
+        policy=policy,
+        ttft_slo_floor=0.25,
+        ttft_slo_factor=5.0,
+    )
     engine = LLMEngine(cfg, runner=CostRunner(COST, clock), cost=COST, clock=clock)
 
     class A:
         def __init__(self, t, n):
             self.arrival, self.prompt_tokens, self.output_tokens = t, n, 2
+
     return replay(engine, clock, [A(t, n) for t, n in arrivals])
 
 
@@ -95,8 +120,10 @@ def sim_run(policy: str, arrivals: list[tuple[float, int]]) -> list:
 def test_no_schedule_beats_the_bounds(policy):
     rng = random.Random(2)
     # Two bursts far above capacity with a quiet gap: many requests must be late.
-    arrivals = sorted([(rng.uniform(0, 0.5), rng.choice([60, 200, 400, 1500, 3000])) for _ in range(40)]
-                      + [(rng.uniform(3, 3.5), rng.choice([60, 200, 400, 1500])) for _ in range(40)])
+    arrivals = sorted(
+        [(rng.uniform(0, 0.5), rng.choice([60, 200, 400, 1500, 3000])) for _ in range(40)]
+        + [(rng.uniform(3, 3.5), rng.choice([60, 200, 400, 1500])) for _ in range(40)]
+    )
     slo = lambda n: max(0.25, 5 * COST.prefill_time(n))  # noqa: E731
     jobs = jobs_for(arrivals, COST, slo)
     bound = min_slo_violations(jobs)
@@ -117,11 +144,16 @@ def test_percentile_bound_drops_the_worst_jobs_exactly():
     assert min_ttft_percentile(jobs, 100) == pytest.approx(7.0)
     assert min_ttft_percentile(jobs, 50) == pytest.approx(3.0)
     assert min_ttft_percentile(jobs, 0) == pytest.approx(1.0)  # rank 0: the smallest job alone
-    assert min_ttft_percentile(jobs, 50, max_dropped=0) == pytest.approx(2.0)  # falls back to own time
+    assert min_ttft_percentile(jobs, 50, max_dropped=0) == pytest.approx(
+        2.0
+    )  # falls back to own time
 
 
 def results(short_p50: float, short_p99: float, viol: float) -> dict:
-    cls = {"short": {"ttft_ms": {"p50": short_p50, "p99": short_p99}}, "long": {"ttft_ms": {"p50": 100.0, "p99": 200.0}}}
+    cls = {
+        "short": {"ttft_ms": {"p50": short_p50, "p99": short_p99}},
+        "long": {"ttft_ms": {"p50": 100.0, "p99": 200.0}},
+    }
     return {"summary": cls | {"all": {"slo_violation_rate": viol}}}
 
 
@@ -140,9 +172,14 @@ def test_checks_say_when_a_target_is_beyond_the_bound():
 
 def test_a_bound_next_to_its_target_shows_which_side_it_is_on():
     res = {"fcfs": results(100.0, 1000.0, 0.898), "pla": results(5.0, 100.0, 0.389)}
-    lines = {line.split(" | ")[0]: line for line in ratio_lines(res, {"slo_violation_rate": 0.273, "short_ttft_ms": {}})}
+    lines = {
+        line.split(" | ")[0]: line
+        for line in ratio_lines(res, {"slo_violation_rate": 0.273, "short_ttft_ms": {}})
+    }
     # The bound, 27.3 % against 89.8 %, is -69.6 %: "-70%" would hide that the target is beyond it.
-    assert lines["| pla SLO violations vs fcfs"].endswith("| -57% | <= -70% | -69.6% | MISSED (beyond the bound) |")
+    assert lines["| pla SLO violations vs fcfs"].endswith(
+        "| -57% | <= -70% | -69.6% | MISSED (beyond the bound) |"
+    )
 
 
 def test_online_schedules_never_beat_the_bound_and_edf_is_exact_when_all_fit():
@@ -153,7 +190,9 @@ def test_online_schedules_never_beat_the_bound_and_edf_is_exact_when_all_fit():
         for order in ONLINE_ORDERS:
             assert online_late(jobs, order) >= best
             assert online_late(jobs, order, short_work=0.5) >= best
-        if best == 0:  # preemptive earliest deadline first meets every deadline when any schedule can
+        if (
+            best == 0
+        ):  # preemptive earliest deadline first meets every deadline when any schedule can
             assert online_late(jobs, "earliest deadline") == 0
 
 
@@ -181,5 +220,6 @@ def test_a_solver_stopped_early_still_gives_a_lower_bound(monkeypatch, dual, exp
 
     class Stopped:
         status, fun, mip_dual_bound = 1, -1.0, dual
+
     monkeypatch.setattr(bounds, "milp", lambda *args, **kwargs: Stopped())
     assert bounds.fewest_late(jobs) == expected  # never above the true answer, 2

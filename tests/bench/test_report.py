@@ -10,11 +10,26 @@ from plaserve.workload.report import RequestRecord, format_table, plot, summariz
 
 
 def _records() -> list[RequestRecord]:
-    short = [RequestRecord("short", 100, 10, arrival=i * 0.1, ttft=(i + 1) / 1000, e2e=0.1 + i / 1000,
-                           tbts=[0.01, 0.02], slo_ttft=0.05) for i in range(100)]  # TTFT 1..100 ms
-    long = [RequestRecord("long", 2000, 20, arrival=1.0, ttft=0.5, e2e=1.0, tbts=[0.03], slo_ttft=1.0),
-            RequestRecord("long", 3000, 20, arrival=2.0, ttft=2.0, e2e=3.0, tbts=[0.05], slo_ttft=1.0),
-            RequestRecord("long", 4000, 0, arrival=3.0, ttft=None, e2e=None, slo_ttft=1.0, error="HTTP 500: boom")]
+    short = [
+        RequestRecord(
+            "short",
+            100,
+            10,
+            arrival=i * 0.1,
+            ttft=(i + 1) / 1000,
+            e2e=0.1 + i / 1000,
+            tbts=[0.01, 0.02],
+            slo_ttft=0.05,
+        )
+        for i in range(100)
+    ]  # TTFT 1..100 ms
+    long = [
+        RequestRecord("long", 2000, 20, arrival=1.0, ttft=0.5, e2e=1.0, tbts=[0.03], slo_ttft=1.0),
+        RequestRecord("long", 3000, 20, arrival=2.0, ttft=2.0, e2e=3.0, tbts=[0.05], slo_ttft=1.0),
+        RequestRecord(
+            "long", 4000, 0, arrival=3.0, ttft=None, e2e=None, slo_ttft=1.0, error="HTTP 500: boom"
+        ),
+    ]
     return short + long
 
 
@@ -22,8 +37,16 @@ def test_summary_shape_and_values() -> None:
     s = summarize(_records(), duration_s=10.0)
     assert set(s) == {"short", "long", "all"}
     for cls in s.values():
-        assert set(cls) == {"count", "errors", "ttft_ms", "tbt_ms", "e2e_ms", "slo_violation_rate",
-                            "output_throughput_tok_s", "goodput_req_s"}
+        assert set(cls) == {
+            "count",
+            "errors",
+            "ttft_ms",
+            "tbt_ms",
+            "e2e_ms",
+            "slo_violation_rate",
+            "output_throughput_tok_s",
+            "goodput_req_s",
+        }
         assert set(cls["ttft_ms"]) == {"p50", "p90", "p99"}
         assert set(cls["tbt_ms"]) == set(cls["e2e_ms"]) == {"p50", "p99"}
     short, long, both = s["short"], s["long"], s["all"]
@@ -44,8 +67,10 @@ def test_summary_shape_and_values() -> None:
 
 
 def test_requests_without_an_slo_only_need_to_succeed() -> None:
-    recs = [RequestRecord("short", 10, 1, 0.0, ttft=9.0, e2e=9.0, slo_ttft=None),
-            RequestRecord("short", 10, 1, 0.0, ttft=None, e2e=None, slo_ttft=None, error="x")]
+    recs = [
+        RequestRecord("short", 10, 1, 0.0, ttft=9.0, e2e=9.0, slo_ttft=None),
+        RequestRecord("short", 10, 1, 0.0, ttft=None, e2e=None, slo_ttft=None, error="x"),
+    ]
     assert summarize(recs, 1.0)["short"]["slo_violation_rate"] == 0.5
 
 

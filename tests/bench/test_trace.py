@@ -6,7 +6,13 @@ import statistics
 
 import pytest
 
-from plaserve.workload.trace import TraceRequest, load_trace, parse_timestamp, scale_requests, synthetic_bimodal
+from plaserve.workload.trace import (
+    TraceRequest,
+    load_trace,
+    parse_timestamp,
+    scale_requests,
+    synthetic_bimodal,
+)
 
 AZURE_CODE = "/work/shared/traces/azure_code_2023.csv"
 
@@ -26,7 +32,10 @@ def trace_file(tmp_path) -> str:
 
 
 def test_timestamps_keep_seven_fractional_digits() -> None:
-    a, b = parse_timestamp("2023-11-16 18:17:03.9799600"), parse_timestamp("2023-11-16 18:17:04.0319600")
+    a, b = (
+        parse_timestamp("2023-11-16 18:17:03.9799600"),
+        parse_timestamp("2023-11-16 18:17:04.0319600"),
+    )
     assert b - a == pytest.approx(0.052, abs=1e-6)
     assert parse_timestamp("12.5") == 12.5
 
@@ -40,7 +49,10 @@ def test_load_trace_unscaled(trace_file: str) -> None:
 
 def test_slice_arrivals_start_at_its_first_row(trace_file: str) -> None:
     reqs = load_trace(trace_file, start=1, limit=2)
-    assert [(r.arrival, r.prompt_tokens) for r in reqs] == [(0.0, 3180), (pytest.approx(1.46804), 100)]
+    assert [(r.arrival, r.prompt_tokens) for r in reqs] == [
+        (0.0, 3180),
+        (pytest.approx(1.46804), 100),
+    ]
 
 
 def test_time_scale_stretches_and_length_scale_shrinks(trace_file: str) -> None:
@@ -76,14 +88,18 @@ def test_real_azure_trace_loads() -> None:
 def test_scale_requests_matches_load_trace_convention() -> None:
     reqs = [TraceRequest(0.0, 10, 3), TraceRequest(1.5, 200, 40)]
     assert scale_requests(reqs, time_scale=0.5, length_scale=2.0, max_output_tokens=50) == [
-        TraceRequest(0.0, 20, 6), TraceRequest(0.75, 400, 50)]
+        TraceRequest(0.0, 20, 6),
+        TraceRequest(0.75, 400, 50),
+    ]
 
 
 def test_synthetic_bimodal() -> None:
-    reqs = synthetic_bimodal(3000, rate=4.0, seed=7, short=(16, 256), long=(1024, 4096), long_share=0.25,
-                             output=(8, 64))
-    assert reqs == synthetic_bimodal(3000, rate=4.0, seed=7, short=(16, 256), long=(1024, 4096), long_share=0.25,
-                                     output=(8, 64))
+    reqs = synthetic_bimodal(
+        3000, rate=4.0, seed=7, short=(16, 256), long=(1024, 4096), long_share=0.25, output=(8, 64)
+    )
+    assert reqs == synthetic_bimodal(
+        3000, rate=4.0, seed=7, short=(16, 256), long=(1024, 4096), long_share=0.25, output=(8, 64)
+    )
     assert reqs != synthetic_bimodal(3000, rate=4.0, seed=8)
     assert reqs[0].arrival == 0.0
     gaps = [b.arrival - a.arrival for a, b in zip(reqs, reqs[1:])]

@@ -18,8 +18,16 @@ pytest.importorskip("transformers")
 def test_quick_run_has_every_row(load_benchmark, tmp_path: Path) -> None:
     bench = load_benchmark("engine_vs_hf")
     # Smaller still than --quick, to keep the test to a few seconds.
-    sizes = dataclasses.replace(bench.QUICK, prefill_lengths=(8, 16, 32), flop_length=32, peak_size=128,
-                                decode_batches=(1, 3), num_requests=3, prompt_range=(4, 16), output_range=(2, 4))
+    sizes = dataclasses.replace(
+        bench.QUICK,
+        prefill_lengths=(8, 16, 32),
+        flop_length=32,
+        peak_size=128,
+        decode_batches=(1, 3),
+        num_requests=3,
+        prompt_range=(4, 16),
+        output_range=(2, 4),
+    )
     results = bench.run_benchmark(sizes)
     assert results["machine"]["dtype"] == "float32" and results["sections"] == list(bench.SECTIONS)
 
@@ -41,16 +49,28 @@ def test_quick_run_has_every_row(load_benchmark, tmp_path: Path) -> None:
     assert mixed["best_hf"] in ("hf_one_by_one", "hf_batched")
     for run in mixed["runs"].values():
         assert run["wall_s"] > 0 and run["speedup_vs_best_hf"] > 0
-        assert len(run["wall_s_runs"]) == sizes.mixed_rounds == len(run["others_cpu_s_runs"])  # no retries in QUICK
-        assert run["identical_to_hf_one_by_one"] == mixed["num_requests"]  # same weights, same greedy tokens
+        assert (
+            len(run["wall_s_runs"]) == sizes.mixed_rounds == len(run["others_cpu_s_runs"])
+        )  # no retries in QUICK
+        assert (
+            run["identical_to_hf_one_by_one"] == mixed["num_requests"]
+        )  # same weights, same greedy tokens
     # ignore_eos + min_new_tokens: every system generates exactly the requested lengths.
     assert mixed["runs"]["plaserve_pla"]["tokens_computed"] == mixed["output_tokens"]
     assert mixed["runs"]["hf_batched"]["tokens_computed"] >= mixed["output_tokens"]
     assert results["model"]["logits_max_abs_diff"] < 1e-3
 
     table = bench.format_table(results, "cmd")
-    for needle in ("| 8 |", "| 32 |", "plaserve engine", "transformers `generate`, one by one",
-                   "left-padded batches", "fraction of matmul peak", "Decode throughput", "| 3 |"):
+    for needle in (
+        "| 8 |",
+        "| 32 |",
+        "plaserve engine",
+        "transformers `generate`, one by one",
+        "left-padded batches",
+        "fraction of matmul peak",
+        "Decode throughput",
+        "| 3 |",
+    ):
         assert needle in table
     json.dumps(results)  # what --out writes must be JSON-serialisable
 
@@ -60,5 +80,7 @@ def test_sections_and_dtype_flags(load_benchmark, capsys) -> None:
     bench.QUICK = bench.dataclasses.replace(bench.QUICK, decode_batches=(2,), decode_tokens=3)
     assert bench.main(["--quick", "--dtype", "bfloat16", "--sections", "decode"]) == 0
     table = capsys.readouterr().out
-    assert "--dtype bfloat16 --sections decode" in table and "bfloat16" in table and "| 2 |" in table
+    assert (
+        "--dtype bfloat16 --sections decode" in table and "bfloat16" in table and "| 2 |" in table
+    )
     assert "Prefill throughput" not in table and "Mixed workload" not in table

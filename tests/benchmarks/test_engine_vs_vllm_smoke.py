@@ -18,10 +18,23 @@ pytest.importorskip("transformers")
 
 def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path) -> None:
     bench = load_benchmark("engine_vs_vllm")
-    sizes = dataclasses.replace(bench.QUICK, prefill_lengths=(16, 64), flop_length=64, decode_batches=(1, 3),
-                                trace_requests=6)
-    results = bench.run_benchmark(sizes, ["small"], ["bfloat16"], ["pla", "fcfs"], tmp_path / "ckpt", reuse=False,
-                                  vllm_venv=None, find_links=None)
+    sizes = dataclasses.replace(
+        bench.QUICK,
+        prefill_lengths=(16, 64),
+        flop_length=64,
+        decode_batches=(1, 3),
+        trace_requests=6,
+    )
+    results = bench.run_benchmark(
+        sizes,
+        ["small"],
+        ["bfloat16"],
+        ["pla", "fcfs"],
+        tmp_path / "ckpt",
+        reuse=False,
+        vllm_venv=None,
+        find_links=None,
+    )
     assert results["systems"] == ["fcfs", "pla"]  # vLLM's place first, then fcfs, then pla
     block = results["runs"]["small"]["bfloat16"]
     assert block["calibrated_on"] == "fcfs" and block["num_params"] > 20e6
@@ -33,15 +46,30 @@ def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path) -> None:
         assert r["burst_wall_s"] > 0 and 0 < r["trace"]["busy"] <= 1
         assert r["trace"]["counts"]["short"] + r["trace"]["counts"]["long"] == 6
         assert r["trace"]["short_p50_ms"] > 0 and len(r["loadavg_start"]) == 3
-    assert block["systems"]["pla"]["trace"]["time_scale"] == block["systems"]["fcfs"]["trace"]["time_scale"]
+    assert (
+        block["systems"]["pla"]["trace"]["time_scale"]
+        == block["systems"]["fcfs"]["trace"]["time_scale"]
+    )
     assert results["peak_flop_s"]["bfloat16"]["used"] > 0
 
     report = bench.format_report(results, "cmd")
-    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in report.splitlines()
-            if line.startswith("| ") and not line.startswith("| metric")}
-    for label in ("prefill tok/s, L = 16", "prefill tok/s, L = 64", "prefill at L = 64, % of matmul peak",
-                  "decode tok/s, batch 1", "decode tok/s, batch 3", "burst of 6: wall s", "burst of 6: requests/s",
-                  "trace: busy %", "trace: TTFT short p50, ms", "trace: TTFT short p99, ms"):
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")[1:]
+        for line in report.splitlines()
+        if line.startswith("| ") and not line.startswith("| metric")
+    }
+    for label in (
+        "prefill tok/s, L = 16",
+        "prefill tok/s, L = 64",
+        "prefill at L = 64, % of matmul peak",
+        "decode tok/s, batch 1",
+        "decode tok/s, batch 3",
+        "burst of 6: wall s",
+        "burst of 6: requests/s",
+        "trace: busy %",
+        "trace: TTFT short p50, ms",
+        "trace: TTFT short p99, ms",
+    ):
         cells = rows[label]
         assert len(cells) == 2, (label, cells)  # fcfs, pla; no vLLM, so no ratio columns
         for cell in cells:
@@ -49,4 +77,6 @@ def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path) -> None:
     assert "Targets:" in report and "prefill at L = 64 >= 60% of the matmul peak" in report
     json.dumps(results)  # what --out writes must be JSON-serialisable
     # A second build of the same model reuses the checkpoint.
-    assert bench.build_checkpoint(bench.MODELS["small"], tmp_path / "ckpt" / "small", reuse=True).exists()
+    assert bench.build_checkpoint(
+        bench.MODELS["small"], tmp_path / "ckpt" / "small", reuse=True
+    ).exists()

@@ -15,18 +15,37 @@ from pathlib import Path
 def test_cpu_run_checks_every_shape(load_benchmark) -> None:
     bench = load_benchmark("gpu_graphs")
     model = dataclasses.replace(bench.CPU.model, num_hidden_layers=2)
-    setup = dataclasses.replace(bench.CPU, model=model, batches=(1, 2), buckets=(32, 64), launch_reps=1, latency_reps=1,
-                                e2e_requests=6, e2e_output=2)
+    setup = dataclasses.replace(
+        bench.CPU,
+        model=model,
+        batches=(1, 2),
+        buckets=(32, 64),
+        launch_reps=1,
+        latency_reps=1,
+        e2e_requests=6,
+        e2e_output=2,
+    )
     results = bench.run(setup)
 
-    assert [(r["batch"], r["bucket"]) for r in results["rows"]] == [(1, 32), (2, 32), (1, 64), (2, 64)]
+    assert [(r["batch"], r["bucket"]) for r in results["rows"]] == [
+        (1, 32),
+        (2, 32),
+        (1, 64),
+        (2, 64),
+    ]
     for row in results["rows"]:
         assert row["batch"] * row["bucket"] // 2 < row["tokens"] <= row["batch"] * row["bucket"]
         same = row["eager_vs_varlen"]
         assert same["logit_max_diff"] < 1e-4 and same["kv_max_diff"] < 1e-5
         assert same["argmax_agree"] == f"{row['batch']}/{row['batch']}"
-        assert row["launch_us_eager"] > 0 and row["latency_ms_eager"] > 0 and row["latency_ms_varlen"] > 0
-        assert "graph_vs_eager" not in row and "latency_ms_graph" not in row  # no CUDA: no graph columns
+        assert (
+            row["launch_us_eager"] > 0
+            and row["latency_ms_eager"] > 0
+            and row["latency_ms_varlen"] > 0
+        )
+        assert (
+            "graph_vs_eager" not in row and "latency_ms_graph" not in row
+        )  # no CUDA: no graph columns
     assert results["kv_blocks_leaked"] == 0
     assert results["capture"]["shapes"] == 3 * 2  # buckets 16, 32, 64 x batches 1, 2; none captured
     assert "capture_s" not in results["capture"] and results["capture"]["estimated_mib"] > 0
@@ -35,7 +54,9 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
     assert set(e2e) == {"pla padded", "pla varlen", "fcfs"}
     for name, r in e2e.items():
         assert r["wall_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert r["identical_to_fcfs"] == setup.e2e_requests  # float32 on CPU: every path gives the same tokens
+        assert (
+            r["identical_to_fcfs"] == setup.e2e_requests
+        )  # float32 on CPU: every path gives the same tokens
     assert e2e["pla padded"]["grid_hits"] > 0 and e2e["pla varlen"]["grid_hits"] == 0
 
     report = bench.table(results)
@@ -45,10 +66,21 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
 
 def test_main_writes_the_report(load_benchmark, tmp_path: Path) -> None:
     bench = load_benchmark("gpu_graphs")
-    tiny = dataclasses.replace(bench.CPU, model=dataclasses.replace(bench.CPU.model, num_hidden_layers=1),
-                               batches=(1,), buckets=(32,), e2e_requests=2, e2e_output=1)
+    tiny = dataclasses.replace(
+        bench.CPU,
+        model=dataclasses.replace(bench.CPU.model, num_hidden_layers=1),
+        batches=(1,),
+        buckets=(32,),
+        e2e_requests=2,
+        e2e_output=1,
+    )
     bench.CPU = tiny  # main() picks the CPU setup without CUDA
-    assert bench.main(["--device", "cpu", "--out", str(tmp_path), "--latency-reps", "1", "--launch-reps", "1"]) == 0
+    assert (
+        bench.main(
+            ["--device", "cpu", "--out", str(tmp_path), "--latency-reps", "1", "--launch-reps", "1"]
+        )
+        == 0
+    )
     results = json.loads((tmp_path / "gpu_graphs.json").read_text())
     assert len(results["rows"]) == 1 and results["setup"]["latency_reps"] == 1
     assert (tmp_path / "gpu_graphs.md").read_text().startswith("Model: random-weight Llama")

@@ -11,8 +11,21 @@ MODELS = Path(__file__).resolve().parents[2] / "docs" / "policy_slices_models.js
 
 def test_policy_slices_runs_one_slice_of_each_trace(load_benchmark, tmp_path, capsys):
     script = load_benchmark("policy_slices")
-    assert script.main(["--profile", str(PROFILE), "--code-starts", "0:0:1", "--conv-starts", "0:0:1",
-                        "--out", str(tmp_path)]) == 0
+    assert (
+        script.main(
+            [
+                "--profile",
+                str(PROFILE),
+                "--code-starts",
+                "0:0:1",
+                "--conv-starts",
+                "0:0:1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.count("| pla SLO violations vs fcfs | <= -70% |") == 2
     out = json.loads((tmp_path / "policy_slices.json").read_text())
@@ -24,8 +37,23 @@ def test_policy_slices_runs_one_slice_of_each_trace(load_benchmark, tmp_path, ca
 
 def test_policy_slices_sweeps_the_load(load_benchmark, tmp_path, capsys):
     script = load_benchmark("policy_slices")
-    assert script.main(["--models", str(MODELS), "--code-starts", "0:0:1", "--conv-starts", "0:0:1",
-                        "--sweep", "0.4", "--out", str(tmp_path)]) == 0
+    assert (
+        script.main(
+            [
+                "--models",
+                str(MODELS),
+                "--code-starts",
+                "0:0:1",
+                "--conv-starts",
+                "0:0:1",
+                "--sweep",
+                "0.4",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.count("| 40% | 1 | ") == 2
     out = json.loads((tmp_path / "policy_slices.json").read_text())

@@ -34,14 +34,22 @@ PROMPTS = prompts(5, 40, 300, 600)
 @pytest.fixture(scope="module")
 def alone(llama_ckpt):
     """Reference outputs: each prompt alone, unchunked, no prefix caching."""
-    engine = make_engine(llama_ckpt, enable_prefix_caching=False, max_num_batched_tokens=1024, policy="fcfs")
+    engine = make_engine(
+        llama_ckpt, enable_prefix_caching=False, max_num_batched_tokens=1024, policy="fcfs"
+    )
     return {tuple(p): run(engine, [p])[0].output_token_ids for p in PROMPTS}
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "spf", "pla"])
 def test_chunked_prefill_equals_unchunked(llama_ckpt, alone, policy):
-    engine = make_engine(llama_ckpt, max_num_batched_tokens=64, long_chunk_size=64, short_threshold=64,
-                         enable_prefix_caching=False, policy=policy)
+    engine = make_engine(
+        llama_ckpt,
+        max_num_batched_tokens=64,
+        long_chunk_size=64,
+        short_threshold=64,
+        enable_prefix_caching=False,
+        policy=policy,
+    )
     reqs = run(engine, PROMPTS)
     for r in reqs:
         assert r.output_token_ids == alone[tuple(r.prompt_token_ids)]
@@ -57,7 +65,9 @@ def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone, poli
     first = run(engine, [p600])[0]
     assert first.metrics.num_cached_tokens == 0
     second = run(engine, [p600])[0]
-    assert second.metrics.num_cached_tokens == 592  # whole 16-token blocks, the last token recomputed
+    assert (
+        second.metrics.num_cached_tokens == 592
+    )  # whole 16-token blocks, the last token recomputed
     assert second.output_token_ids == first.output_token_ids == alone[tuple(p600)]
     # A longer prompt sharing the 300-token prefix reuses its full blocks.
     p300 = PROMPTS[2]
@@ -71,10 +81,19 @@ def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone, poli
 def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone, policy):
     # 45 blocks of 16 tokens (8 KiB each in this model) for 1,105 tokens of demand: with small chunks
     # every request starts early, they outgrow the cache together and some must be preempted.
-    engine = make_engine(llama_ckpt, kv_cache_memory=str(45 * 8192), max_model_len=640,
-                         max_num_batched_tokens=64, long_chunk_size=64, enable_prefix_caching=False, policy=policy)
+    engine = make_engine(
+        llama_ckpt,
+        kv_cache_memory=str(45 * 8192),
+        max_model_len=640,
+        max_num_batched_tokens=64,
+        long_chunk_size=64,
+        enable_prefix_caching=False,
+        policy=policy,
+    )
     # Logprobs too: a recompute must neither repeat nor skip an entry.
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    params = SamplingParams(
+        max_tokens=40, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
     reqs = run(engine, PROMPTS, params)
     ref = make_engine(llama_ckpt, enable_prefix_caching=False)
     for r in reqs:
@@ -88,7 +107,10 @@ def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone, p
 @pytest.mark.parametrize("policy", ["fcfs", "pla"])
 def test_abort_and_finish_free_every_block(llama_ckpt, policy):
     engine = make_engine(llama_ckpt, policy=policy)
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in prompts(30, 200, 500)]
+    reqs = [
+        engine.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+        for p in prompts(30, 200, 500)
+    ]
     while not all(r.block_table for r in reqs):  # pla may first hold shorts in their batch window
         engine.step()
         engine.wait_for_work()
@@ -131,23 +153,40 @@ def test_stop_token_ids_eos_and_max_tokens(llama_ckpt, alone):
 def test_stop_strings_cut_the_text(llama_ckpt):
     engine = make_engine(llama_ckpt)
     p = prompts(40)[0]
-    full = run(engine, [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].output_text
+    full = run(engine, [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[
+        0
+    ].output_text
     stop = full[5:8]
     assert stop and full.index(stop) == 5
-    r = run(engine, [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    r = run(
+        engine, [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
     assert r.output_text == full[:5] and r.finish_reason == "stop" and r.stop_reason == stop
-    r = run(engine, [p], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=stop,
-                                        include_stop_str_in_output=True))[0]
+    r = run(
+        engine,
+        [p],
+        SamplingParams(
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+            stop=stop,
+            include_stop_str_in_output=True,
+        ),
+    )[0]
     assert r.output_text == full[:8]
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(llama_ckpt):
     engine = make_engine(llama_ckpt)
     p = prompts(30)[0]
-    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=42, ignore_eos=True
+    )
     a = run(engine, [p], params)[0].output_token_ids
     b = run(engine, [p] + prompts(100, 7, seed=5), params)[0].output_token_ids
-    c = run(engine, [p], SamplingParams(max_tokens=10, temperature=1.0, seed=43, ignore_eos=True))[0]
+    c = run(engine, [p], SamplingParams(max_tokens=10, temperature=1.0, seed=43, ignore_eos=True))[
+        0
+    ]
     assert a == b and a != c.output_token_ids
 
 
@@ -175,18 +214,29 @@ def test_bad_prompts_are_refused(llama_ckpt):
 def test_warm_up_leaves_no_trace(llama_ckpt, alone):
     engine = make_engine(llama_ckpt, max_num_batched_tokens=512)
     engine.warm_up()
-    assert engine.num_steps == 0 and engine.allocator.num_used_blocks == 0 and not engine.has_unfinished()
+    assert (
+        engine.num_steps == 0
+        and engine.allocator.num_used_blocks == 0
+        and not engine.has_unfinished()
+    )
     reqs = run(engine, PROMPTS)
     assert [r.output_token_ids for r in reqs] == [alone[tuple(p)] for p in PROMPTS]
-    assert all(r.metrics.num_cached_tokens == 0 for r in reqs)  # nothing of the warm-up went into the prefix cache
+    assert all(
+        r.metrics.num_cached_tokens == 0 for r in reqs
+    )  # nothing of the warm-up went into the prefix cache
 
 
 def _close(a, b, tol: float = 1e-4) -> bool:
     """Logprobs of two runs of one request agree entry for entry (same tokens, values within ``tol``)."""
-    pairs = [*zip(a.output_logprobs, b.output_logprobs), *zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
-    return (len(a.output_logprobs) == len(b.output_logprobs) == len(a.output_token_ids)
-            and len(a.prompt_logprobs) == len(b.prompt_logprobs) == a.num_prompt_tokens
-            and all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < tol for x, y in pairs))
+    pairs = [
+        *zip(a.output_logprobs, b.output_logprobs),
+        *zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]),
+    ]
+    return (
+        len(a.output_logprobs) == len(b.output_logprobs) == len(a.output_token_ids)
+        and len(a.prompt_logprobs) == len(b.prompt_logprobs) == a.num_prompt_tokens
+        and all(x.token_id == y.token_id and abs(x.logprob - y.logprob) < tol for x, y in pairs)
+    )
 
 
 def test_offline_n_choices_share_one_prefill(llama_ckpt):
@@ -198,8 +248,14 @@ def test_offline_n_choices_share_one_prefill(llama_ckpt):
     prompt = prompts(100, seed=3)[0]
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
     out = llm.generate([prompt, prompt[:10]], params)
-    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[0].outputs] == [0, 1, 2]
-    assert llm.engine.allocator.num_cache_hits == 2 * 96  # the 10-token prompt has no full block to share
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[0].outputs] == [
+        0,
+        1,
+        2,
+    ]
+    assert (
+        llm.engine.allocator.num_cache_hits == 2 * 96
+    )  # the 10-token prompt has no full block to share
     alone = make_engine(llama_ckpt, enable_prefix_caching=False)
     for j, choice in enumerate(out[0].outputs):
         single = SamplingParams(max_tokens=6, temperature=1.0, seed=7 + j, ignore_eos=True)
@@ -240,8 +296,13 @@ def alone_bf16(qwen2_ckpt, qwen2_bf16_prompts):
     """bfloat16 reference outputs: each prompt alone, unchunked, no prefix caching. Its top-2 logprobs
     show that no step is a near-tie (a bfloat16 rounding could flip one), so other runs must match
     token for token."""
-    engine = make_engine(qwen2_ckpt, dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=1024,
-                         policy="fcfs")
+    engine = make_engine(
+        qwen2_ckpt,
+        dtype="bfloat16",
+        enable_prefix_caching=False,
+        max_num_batched_tokens=1024,
+        policy="fcfs",
+    )
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     outputs = {}
     for p in qwen2_bf16_prompts:
@@ -252,20 +313,28 @@ def alone_bf16(qwen2_ckpt, qwen2_bf16_prompts):
 
 
 @pytest.mark.parametrize("variant", ["chunked fcfs", "chunked pla", "prefix cached", "padded pla"])
-def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(qwen2_ckpt, qwen2_bf16_prompts, alone_bf16,
-                                                                          variant):
+def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(
+    qwen2_ckpt, qwen2_bf16_prompts, alone_bf16, variant
+):
     """The bfloat16 counterparts of the float32 tests above, all prompts at once (batched decodes)."""
     kw: dict = {"dtype": "bfloat16"}
     if variant.startswith("chunked"):
-        kw |= dict(max_num_batched_tokens=64, long_chunk_size=64, short_threshold=64, enable_prefix_caching=False,
-                   policy=variant.split()[1])
+        kw |= dict(
+            max_num_batched_tokens=64,
+            long_chunk_size=64,
+            short_threshold=64,
+            enable_prefix_caching=False,
+            policy=variant.split()[1],
+        )
     elif variant == "padded pla":
         kw |= dict(policy="pla", pad_short_batches="always")
     engine = make_engine(qwen2_ckpt, **kw)
     runs = 2 if variant == "prefix cached" else 1
     for _ in range(runs):  # the second run finds every prompt's blocks in the prefix cache
         reqs = run(engine, qwen2_bf16_prompts, BF16_GREEDY)
-        assert [r.output_token_ids for r in reqs] == [alone_bf16[tuple(p)] for p in qwen2_bf16_prompts]
+        assert [r.output_token_ids for r in reqs] == [
+            alone_bf16[tuple(p)] for p in qwen2_bf16_prompts
+        ]
     if variant == "prefix cached":
         # whole blocks, the last token of each prompt recomputed
         assert sum(r.metrics.num_cached_tokens for r in reqs) == 0 + 16 + 32 + 288 + 592

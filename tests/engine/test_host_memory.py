@@ -38,7 +38,9 @@ print(min(counts))
 
 
 def faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.split()[-1])
 
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plaserve.kv_blocks import NULL_BLOCK, BlockAllocator
 from plaserve.engine.kv_cache import parse_memory
+from plaserve.kv_blocks import NULL_BLOCK, BlockAllocator
 
 
 def check_invariants(alloc: BlockAllocator, owners: list[list[int]]) -> None:
@@ -82,8 +82,14 @@ def test_parse_memory():
         parse_memory("lots", 0)
 
 
-ops = st.lists(st.tuples(st.sampled_from(["new", "append", "fork", "free", "commit"]),
-                         st.integers(0, 7), st.integers(1, 6)), max_size=60)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["new", "append", "fork", "free", "commit"]),
+        st.integers(0, 7),
+        st.integers(1, 6),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -116,14 +122,22 @@ def test_allocator_invariants_under_random_operations(script):
                     s["tokens"] = s["tokens"][: len(s["table"]) * bs]
             elif op == "fork":
                 alloc.fork(s["table"])
-                seqs.append({"table": list(s["table"]), "tokens": list(s["tokens"]),
-                             "computed": s["computed"], "committed": s["committed"]})
+                seqs.append(
+                    {
+                        "table": list(s["table"]),
+                        "tokens": list(s["tokens"]),
+                        "computed": s["computed"],
+                        "committed": s["committed"],
+                    }
+                )
             elif op == "free":
                 alloc.release(s["table"])
                 seqs[seqs.index(s)] = None
             elif op == "commit":
                 s["computed"] = len(s["tokens"])
-                s["committed"] = alloc.commit(s["table"], s["tokens"], s["computed"], s["committed"])
+                s["committed"] = alloc.commit(
+                    s["table"], s["tokens"], s["computed"], s["committed"]
+                )
         check_invariants(alloc, [s["table"] for s in seqs if s is not None])
     for s in seqs:
         if s is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plaserve.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
 from plaserve.engine.sampler import _filter_top_k_top_p, apply_penalties, sample, unusable_rows
+from plaserve.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
 
 
 def test_greedy_picks_argmax():
@@ -52,15 +52,19 @@ def test_repetition_penalty_covers_prompt_and_output():
 
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.zeros(1, 4)
-    out = apply_penalties(logits, [request([2, 2, 2], [1, 1, 3], presence_penalty=0.5, frequency_penalty=0.25)])
+    out = apply_penalties(
+        logits, [request([2, 2, 2], [1, 1, 3], presence_penalty=0.5, frequency_penalty=0.25)]
+    )
     # token 1: twice (0.5 + 2 * 0.25); token 3: once (0.5 + 0.25); prompt token 2: untouched.
     assert out.tolist() == [[0.0, -1.0, 0.0, -0.75]]
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     logits = torch.zeros(2, 6)
-    reqs = [request([1], [4], eos=(2,), min_tokens=2, stop_token_ids=[5]),
-            request([1], [4, 4], eos=(2,), min_tokens=2, stop_token_ids=[5])]
+    reqs = [
+        request([1], [4], eos=(2,), min_tokens=2, stop_token_ids=[5]),
+        request([1], [4, 4], eos=(2,), min_tokens=2, stop_token_ids=[5]),
+    ]
     out = apply_penalties(logits, reqs)
     assert torch.isinf(out[0]).tolist() == [False, False, True, False, False, True]
     assert not torch.isinf(out[1]).any()  # two tokens out: eos and stop ids are allowed again
@@ -74,7 +78,9 @@ def test_logit_bias_adds_to_its_tokens():
 
 def test_rows_without_penalties_are_untouched():
     logits = torch.randn(2, 8)
-    assert torch.equal(apply_penalties(logits.clone(), [request([1, 2], [3]), request([4], [5, 6])]), logits)
+    assert torch.equal(
+        apply_penalties(logits.clone(), [request([1, 2], [3]), request([4], [5, 6])]), logits
+    )
 
 
 def test_min_p_drops_unlikely_tokens():
@@ -86,16 +92,41 @@ def test_min_p_drops_unlikely_tokens():
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(repetition_penalty=0.0),
-                                 dict(min_p=1.5), dict(min_tokens=20, max_tokens=10), dict(min_tokens=-1),
-                                 dict(logit_bias={3: 101.0}), dict(logprobs=21),
-                                 dict(temperature=NAN), dict(temperature=INF), dict(temperature=-1e-9),
-                                 dict(top_p=NAN), dict(top_p=0.0), dict(min_p=NAN), dict(presence_penalty=NAN),
-                                 dict(frequency_penalty=-INF), dict(repetition_penalty=NAN),
-                                 dict(repetition_penalty=1e-300), dict(repetition_penalty=INF),
-                                 dict(logit_bias={3: NAN}), dict(logit_bias={-1: 1.0}), dict(seed=2**63),
-                                 dict(seed=2**63 - 2, n=4), dict(seed=-(2**63) - 1), dict(n=0), dict(max_tokens=0),
-                                 dict(stop=[""]), dict(stop_token_ids=[-1]), dict(top_k=-2), dict(temperature="1")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3.0),
+        dict(repetition_penalty=0.0),
+        dict(min_p=1.5),
+        dict(min_tokens=20, max_tokens=10),
+        dict(min_tokens=-1),
+        dict(logit_bias={3: 101.0}),
+        dict(logprobs=21),
+        dict(temperature=NAN),
+        dict(temperature=INF),
+        dict(temperature=-1e-9),
+        dict(top_p=NAN),
+        dict(top_p=0.0),
+        dict(min_p=NAN),
+        dict(presence_penalty=NAN),
+        dict(frequency_penalty=-INF),
+        dict(repetition_penalty=NAN),
+        dict(repetition_penalty=1e-300),
+        dict(repetition_penalty=INF),
+        dict(logit_bias={3: NAN}),
+        dict(logit_bias={-1: 1.0}),
+        dict(seed=2**63),
+        dict(seed=2**63 - 2, n=4),
+        dict(seed=-(2**63) - 1),
+        dict(n=0),
+        dict(max_tokens=0),
+        dict(stop=[""]),
+        dict(stop_token_ids=[-1]),
+        dict(top_k=-2),
+        dict(temperature="1"),
+    ],
+)
 def test_out_of_range_sampling_params_are_refused_naming_the_field(bad):
     with pytest.raises(ParamError) as info:
         SamplingParams(**bad)
@@ -111,9 +142,16 @@ def test_tiny_temperatures_are_greedy():
 
 
 def test_unusable_rows_fail_alone():
-    logits = torch.tensor([[0.0, 2.0, 1.0], [NAN, 1.0, 0.0], [INF, 0.0, 0.0], [-INF, -INF, -INF], [-INF, 0.5, -INF]])
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0),
-              SamplingParams(temperature=0.7), SamplingParams(temperature=1.0)]
+    logits = torch.tensor(
+        [[0.0, 2.0, 1.0], [NAN, 1.0, 0.0], [INF, 0.0, 0.0], [-INF, -INF, -INF], [-INF, 0.5, -INF]]
+    )
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.0),
+    ]
     gen = torch.Generator().manual_seed(0)
     assert unusable_rows(logits).tolist() == [False, True, True, True, False]
     assert sample(logits, params, [gen] * 5) == [1, None, None, None, 1]

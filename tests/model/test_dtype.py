@@ -10,10 +10,15 @@ import torch
 from plaserve.model import loader
 
 
-def probes(monkeypatch: pytest.MonkeyPatch, amx: bool | None, avx512_bf16: bool | None, flags: str = "") -> None:
+def probes(
+    monkeypatch: pytest.MonkeyPatch, amx: bool | None, avx512_bf16: bool | None, flags: str = ""
+) -> None:
     """Make torch's CPU probes answer ``amx`` / ``avx512_bf16`` (None: the probe does not exist) and
     ``/proc/cpuinfo`` list ``flags``."""
-    for name, value in (("_is_amx_tile_supported", amx), ("_is_avx512_bf16_supported", avx512_bf16)):
+    for name, value in (
+        ("_is_amx_tile_supported", amx),
+        ("_is_avx512_bf16_supported", avx512_bf16),
+    ):
         if value is None:
             monkeypatch.delattr(torch.cpu, name, raising=False)
         else:
@@ -21,14 +26,22 @@ def probes(monkeypatch: pytest.MonkeyPatch, amx: bool | None, avx512_bf16: bool 
     monkeypatch.setattr(loader, "_cpuinfo_flags", lambda: set(flags.split()))
 
 
-@pytest.mark.parametrize("amx, avx512_bf16, flags, isa", [
-    (True, True, "", "AMX"),
-    (False, True, "", "AVX512-BF16"),
-    (False, False, "amx_bf16 avx512_bf16", None),  # torch's probes win over the flags where they exist
-    (None, None, "avx512f amx_tile amx_bf16", "AMX"),  # no probes: the kernel's flags decide
-    (None, None, "avx512f avx512_bf16", "AVX512-BF16"),
-    (None, None, "avx2 avx512f", None),
-])
+@pytest.mark.parametrize(
+    "amx, avx512_bf16, flags, isa",
+    [
+        (True, True, "", "AMX"),
+        (False, True, "", "AVX512-BF16"),
+        (
+            False,
+            False,
+            "amx_bf16 avx512_bf16",
+            None,
+        ),  # torch's probes win over the flags where they exist
+        (None, None, "avx512f amx_tile amx_bf16", "AMX"),  # no probes: the kernel's flags decide
+        (None, None, "avx512f avx512_bf16", "AVX512-BF16"),
+        (None, None, "avx2 avx512f", None),
+    ],
+)
 def test_cpu_bf16_support(monkeypatch, amx, avx512_bf16, flags, isa):
     probes(monkeypatch, amx, avx512_bf16, flags)
     assert loader.cpu_bf16_support() == isa

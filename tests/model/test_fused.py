@@ -11,7 +11,9 @@ import torch
 from plaserve.model import fused
 from plaserve.model.fused import FusedKernels, compiled_min_tokens
 
-needs_compiler = pytest.mark.skipif(compiled_min_tokens(1) is None, reason="no C++ compiler for inductor")
+needs_compiler = pytest.mark.skipif(
+    compiled_min_tokens(1) is None, reason="no C++ compiler for inductor"
+)
 
 
 def inputs(tokens: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -20,16 +22,29 @@ def inputs(tokens: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Te
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
-    qkv = randn(tokens, 12 * 16).to(dtype)  # 8 query + 2 key heads rotated, 2 value heads beside them
-    return {"x": randn(tokens, 64).to(dtype), "residual": randn(tokens, 64).to(dtype),
-            "weight": (1 + 0.1 * randn(64)).to(dtype), "qk": qkv[:, :10 * 16].view(tokens, 10, 16),
-            "cos": randn(tokens, 1, 8).cos(), "sin": randn(tokens, 1, 8).sin(), "gate_up": randn(tokens, 96).to(dtype)}
+    qkv = randn(tokens, 12 * 16).to(
+        dtype
+    )  # 8 query + 2 key heads rotated, 2 value heads beside them
+    return {
+        "x": randn(tokens, 64).to(dtype),
+        "residual": randn(tokens, 64).to(dtype),
+        "weight": (1 + 0.1 * randn(64)).to(dtype),
+        "qk": qkv[:, : 10 * 16].view(tokens, 10, 16),
+        "cos": randn(tokens, 1, 8).cos(),
+        "sin": randn(tokens, 1, 8).sin(),
+        "gate_up": randn(tokens, 96).to(dtype),
+    }
 
 
 def run_all(kernels: FusedKernels, t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     t = {k: v.clone() if k != "qk" else v for k, v in t.items()}
     normed, total = kernels.add_rms_norm(t["x"], t["residual"], t["weight"], 1e-5)
-    return [normed, total, kernels.rotary(t["qk"].clone(), t["cos"], t["sin"]), kernels.silu_mul(t["gate_up"])]
+    return [
+        normed,
+        total,
+        kernels.rotary(t["qk"].clone(), t["cos"], t["sin"]),
+        kernels.silu_mul(t["gate_up"]),
+    ]
 
 
 def reference(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -75,6 +90,7 @@ def test_a_failure_to_compile_falls_back_to_eager(monkeypatch, caplog):
         def run(*args):
             calls.append(fn)
             raise RuntimeError("no compiler\ndetails")
+
         return run
 
     monkeypatch.setattr(fused, "_compiled", broken)

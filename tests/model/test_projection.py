@@ -24,13 +24,24 @@ def test_fused_projection_equals_its_linears(dtype, bias):
     assert proj.transposed == (dtype == torch.float32)
     assert (proj.packed is not None) == (dtype == torch.bfloat16 and _can_prepack())
     for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
-        assert torch.equal(lin.weight.float(), w) and lin.weight.untyped_storage().data_ptr() == \
-            proj.weight.untyped_storage().data_ptr()
+        assert (
+            torch.equal(lin.weight.float(), w)
+            and lin.weight.untyped_storage().data_ptr() == proj.weight.untyped_storage().data_ptr()
+        )
     for rows in (1, 5, 64):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
-        want = torch.cat([nn.functional.linear(x.float(), lin.weight.float(),
-                                               None if lin.bias is None else lin.bias.float()) for lin in linears], -1)
+        want = torch.cat(
+            [
+                nn.functional.linear(
+                    x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
+                )
+                for lin in linears
+            ],
+            -1,
+        )
         got = proj(x)
         assert got.dtype == dtype and got.shape == (rows, 64)
         # bfloat16 rounds the output once (values up to ~30 here: 8 bits of mantissa)
-        torch.testing.assert_close(got.float(), want, atol=1e-4 if dtype == torch.float32 else 0.25, rtol=1e-2)
+        torch.testing.assert_close(
+            got.float(), want, atol=1e-4 if dtype == torch.float32 else 0.25, rtol=1e-2
+        )

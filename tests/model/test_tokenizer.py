@@ -81,7 +81,9 @@ def test_chat_template_matches_transformers(
     from transformers import AutoTokenizer
 
     directory = make_tokenizer_files(str(tmp_path), template_form=form)
-    assert os.path.isfile(os.path.join(directory, "chat_template.jinja")) == (form in ("jinja", "both"))
+    assert os.path.isfile(os.path.join(directory, "chat_template.jinja")) == (
+        form in ("jinja", "both")
+    )
     ours, ref = HFTokenizer(directory), AutoTokenizer.from_pretrained(directory)
     assert ours.has_chat_template
 

@@ -77,7 +77,9 @@ def test_tied_checkpoint_into_untied_module(qwen2_ckpt: str) -> None:
     shapes["lm_head.weight"] = state["model.embed_tokens.weight"].shape
     module = _Mirror(shapes, tie=False)  # separate lm_head parameter
     load_into(module, state, tie_word_embeddings=True)
-    torch.testing.assert_close(module.get_parameter("lm_head.weight"), state["model.embed_tokens.weight"])
+    torch.testing.assert_close(
+        module.get_parameter("lm_head.weight"), state["model.embed_tokens.weight"]
+    )
     # Without tying, the absent lm_head is an error.
     with pytest.raises(WeightLoadError, match=r"missing keys \(1\): \['lm_head.weight'\]"):
         load_into(module, state, tie_word_embeddings=False)
@@ -86,8 +88,12 @@ def test_tied_checkpoint_into_untied_module(qwen2_ckpt: str) -> None:
 def test_load_into_reports_missing_unexpected_and_shape(mistral_ckpt: str) -> None:
     state = load_safetensors_state_dict(mistral_ckpt)
     module = _Mirror({k: v.shape for k, v in state.items()}, tie=False)
-    load_into(module, {**state, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}, False)
-    torch.testing.assert_close(module.get_parameter("model.norm.weight"), state["model.norm.weight"])
+    load_into(
+        module, {**state, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}, False
+    )
+    torch.testing.assert_close(
+        module.get_parameter("model.norm.weight"), state["model.norm.weight"]
+    )
 
     broken = dict(state)
     del broken["model.layers.1.mlp.up_proj.weight"]
@@ -117,7 +123,9 @@ def test_glob_fallback_and_missing_dir(tmp_path) -> None:
         load_safetensors_state_dict(str(tmp_path / "empty"))
 
 
-def test_fixture_configs_are_what_transformers_reads(llama_ckpt: str, qwen2_ckpt: str, mistral_ckpt: str) -> None:
+def test_fixture_configs_are_what_transformers_reads(
+    llama_ckpt: str, qwen2_ckpt: str, mistral_ckpt: str
+) -> None:
     from transformers import AutoConfig
 
     with open(os.path.join(llama_ckpt, "config.json")) as f:
@@ -126,11 +134,17 @@ def test_fixture_configs_are_what_transformers_reads(llama_ckpt: str, qwen2_ckpt
     assert "rope_parameters" not in raw
     assert raw["rope_theta"] == 500000.0
     assert raw["rope_scaling"] == {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
     }
     # ...which transformers reads back as the same rope parameters.
-    assert AutoConfig.from_pretrained(llama_ckpt).rope_parameters == {**raw["rope_scaling"], "rope_theta": 500000.0}
+    assert AutoConfig.from_pretrained(llama_ckpt).rope_parameters == {
+        **raw["rope_scaling"],
+        "rope_theta": 500000.0,
+    }
 
     with open(os.path.join(qwen2_ckpt, "config.json")) as f:
         raw = json.load(f)

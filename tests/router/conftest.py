@@ -8,17 +8,23 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from plaserve.testing.fake_gpu import FakeGpuConfig, FakeGpuServer
 from plaserve.cost import CostModel
+from plaserve.launcher import free_port
 from plaserve.router.config import HealthConfig, RouterConfig
 from plaserve.router.proxy import Router, serve
-from plaserve.launcher import free_port
+from plaserve.testing.fake_gpu import FakeGpuConfig, FakeGpuServer
 
 # 0.1 ms per token: a 1,000-token prompt takes 0.1 s, a 100-token one 10 ms.
 TEST_COST = CostModel(g1=1e-4, g2=0.0, source="test")
 # Health checks every 0.2 s so that failures show within a test's patience.
-FAST_HEALTH = HealthConfig(interval_s=0.2, timeout_s=1.0, failure_threshold=1, success_threshold=1,
-                           load_interval_s=0.1, load_stale_s=1.0)
+FAST_HEALTH = HealthConfig(
+    interval_s=0.2,
+    timeout_s=1.0,
+    failure_threshold=1,
+    success_threshold=1,
+    load_interval_s=0.1,
+    load_stale_s=1.0,
+)
 
 
 @dataclass
@@ -30,11 +36,16 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def cluster(gpu_configs: list[FakeGpuConfig], config: RouterConfig | None = None,
-                  extra_urls: tuple[str, ...] = ()) -> AsyncIterator[Cluster]:
+async def cluster(
+    gpu_configs: list[FakeGpuConfig],
+    config: RouterConfig | None = None,
+    extra_urls: tuple[str, ...] = (),
+) -> AsyncIterator[Cluster]:
     """Start one fake GPU per config and a router in front of them (plus ``extra_urls``)."""
     gpus = [await FakeGpuServer(c).start() for c in gpu_configs]
-    router = Router([g.url for g in gpus] + list(extra_urls), config or RouterConfig(health=FAST_HEALTH))
+    router = Router(
+        [g.url for g in gpus] + list(extra_urls), config or RouterConfig(health=FAST_HEALTH)
+    )
     port = free_port()
     runner = await serve(router, "127.0.0.1", port)
     try:

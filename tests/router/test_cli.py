@@ -18,14 +18,34 @@ def parse(add, argv: list[str]) -> argparse.Namespace:
 
 
 def test_route_flags_become_the_router_config():
-    args = parse(add_route_arguments, ["--worker-urls", "http://a:1", "http://b:2", "--policy", "least_tokens",
-                                       "--long-hold-horizon-ms", "inf", "--short-spill-budget-ms", "150",
-                                       "--cb-failure-threshold", "5", "--load-interval-ms", "200",
-                                       "--health-check-interval-secs", "0.5", "--max-attempts", "2"])
+    args = parse(
+        add_route_arguments,
+        [
+            "--worker-urls",
+            "http://a:1",
+            "http://b:2",
+            "--policy",
+            "least_tokens",
+            "--long-hold-horizon-ms",
+            "inf",
+            "--short-spill-budget-ms",
+            "150",
+            "--cb-failure-threshold",
+            "5",
+            "--load-interval-ms",
+            "200",
+            "--health-check-interval-secs",
+            "0.5",
+            "--max-attempts",
+            "2",
+        ],
+    )
     c = router_config_from_args(args)
     assert args.worker_urls == ["http://a:1", "http://b:2"]
     assert (c.policy, c.max_attempts, c.breaker.failure_threshold) == ("least_tokens", 2, 5)
-    assert math.isinf(c.pools.long_hold_horizon_s) and c.pools.short_spill_budget_s == pytest.approx(0.15)
+    assert math.isinf(
+        c.pools.long_hold_horizon_s
+    ) and c.pools.short_spill_budget_s == pytest.approx(0.15)
     assert c.health.load_interval_s == pytest.approx(0.2) and c.health.interval_s == 0.5
     with pytest.raises(SystemExit):
         parse(add_route_arguments, ["--policy", "random"])
@@ -35,8 +55,29 @@ def test_cluster_splits_threads_and_gpus_and_passes_worker_flags():
     env = worker_env(1, 2, ["0", "1", "2"], cpus=16)
     assert env["OMP_NUM_THREADS"] == "8" and env["CUDA_VISIBLE_DEVICES"] == "1"
     assert worker_env(3, 2, None, cpus=1)["OMP_NUM_THREADS"] == "1"
-    args = parse(add_cluster_arguments, ["/models/m", "--workers", "2", "--worker-policy", "fcfs",
-                                         "--kv-cache-memory", "1GiB", "--worker-args", "--max-num-seqs 8",
-                                         "--policy", "round_robin"])
-    assert worker_args(args) == ["/models/m", "--policy", "fcfs", "--kv-cache-memory", "1GiB", "--max-num-seqs", "8"]
+    args = parse(
+        add_cluster_arguments,
+        [
+            "/models/m",
+            "--workers",
+            "2",
+            "--worker-policy",
+            "fcfs",
+            "--kv-cache-memory",
+            "1GiB",
+            "--worker-args",
+            "--max-num-seqs 8",
+            "--policy",
+            "round_robin",
+        ],
+    )
+    assert worker_args(args) == [
+        "/models/m",
+        "--policy",
+        "fcfs",
+        "--kv-cache-memory",
+        "1GiB",
+        "--max-num-seqs",
+        "8",
+    ]
     assert router_config_from_args(args).policy == "round_robin"

@@ -20,12 +20,30 @@ from plaserve.launcher import free_port
 def test_cluster_starts_workers_routes_and_stops_everything(qwen2_ckpt):
     port = free_port()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(plaserve.__file__).resolve().parent.parent),
-                                                    env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p
+        for p in (str(Path(plaserve.__file__).resolve().parent.parent), env.get("PYTHONPATH"))
+        if p
+    )
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen([sys.executable, "-m", "plaserve.cli", "cluster", "--workers", "2", qwen2_ckpt,
-                                 "--kv-cache-memory", "32MiB", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "plaserve.cli",
+                "cluster",
+                "--workers",
+                "2",
+                qwen2_ckpt,
+                "--kv-cache-memory",
+                "32MiB",
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 120
@@ -37,10 +55,15 @@ def test_cluster_starts_workers_routes_and_stops_everything(qwen2_ckpt):
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.2)
-            r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 2}, timeout=60)
+            r = httpx.post(
+                url + "/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 2}, timeout=60
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-            r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                           json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
+            r = httpx.post(
+                url + "/v1/chat/completions",
+                timeout=60,
+                json={"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2},
+            )
             assert r.status_code == 200
             workers = httpx.get(url + "/workers").json()["workers"]
             assert len(workers) == 2 and all(w["supports_load"] for w in workers)

@@ -16,10 +16,23 @@ def write(tmp_path, data) -> str:
 
 
 def test_profile_with_extra_keys(tmp_path):
-    path = write(tmp_path, {"cost_model": {"g1": 1e-4, "g2": 2e-8, "g3": 1e-6, "c0": 0.01, "source": "profile"},
-                            "short_threshold": 1024, "max_short_batch": 4, "fingerprint": {"model": "x"}})
+    path = write(
+        tmp_path,
+        {
+            "cost_model": {"g1": 1e-4, "g2": 2e-8, "g3": 1e-6, "c0": 0.01, "source": "profile"},
+            "short_threshold": 1024,
+            "max_short_batch": 4,
+            "fingerprint": {"model": "x"},
+        },
+    )
     model, threshold = load_cost_profile(path)
-    assert (model.g1, model.g2, model.g3, model.c0, model.source) == (1e-4, 2e-8, 1e-6, 0.01, "profile")
+    assert (model.g1, model.g2, model.g3, model.c0, model.source) == (
+        1e-4,
+        2e-8,
+        1e-6,
+        0.01,
+        "profile",
+    )
     assert threshold == 1024
     assert model.prefill_time(1000) == pytest.approx(0.01 + 1e-4 * 1000 + 2e-8 * 1000 * 500)
 
@@ -29,15 +42,18 @@ def test_profile_without_threshold_or_optional_coefficients(tmp_path):
     assert threshold is None and model.g3 == 0 and model.c0 == 0
 
 
-@pytest.mark.parametrize("data, match", [
-    ("{not json", "not valid JSON"),
-    ({"short_threshold": 512}, "cost_model"),
-    ({"cost_model": {"g1": -1, "g2": 1e-9}}, "cost_model"),
-    ({"cost_model": {"g1": 0, "g2": 0}}, "cost_model"),
-    ({"cost_model": {"g1": "fast", "g2": 1e-9}}, "cost_model"),
-    ({"cost_model": {"g1": 1e-4, "g2": 1e-9}, "short_threshold": 0}, "short_threshold"),
-    ({"cost_model": {"g1": 1e-4, "g2": 1e-9}, "short_threshold": 51.5}, "short_threshold"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ("{not json", "not valid JSON"),
+        ({"short_threshold": 512}, "cost_model"),
+        ({"cost_model": {"g1": -1, "g2": 1e-9}}, "cost_model"),
+        ({"cost_model": {"g1": 0, "g2": 0}}, "cost_model"),
+        ({"cost_model": {"g1": "fast", "g2": 1e-9}}, "cost_model"),
+        ({"cost_model": {"g1": 1e-4, "g2": 1e-9}, "short_threshold": 0}, "short_threshold"),
+        ({"cost_model": {"g1": 1e-4, "g2": 1e-9}, "short_threshold": 51.5}, "short_threshold"),
+    ],
+)
 def test_bad_profiles_name_the_problem(tmp_path, data, match):
     with pytest.raises(ValueError, match=match):
         load_cost_profile(write(tmp_path, data))

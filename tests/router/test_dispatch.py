@@ -83,7 +83,9 @@ def test_retries_skip_the_workers_already_tried_and_are_not_held():
         await d.acquire(Job((1000,), LONG), rid=0)
         await d.acquire(Job((1000,), LONG), rid=1)
         # Both workers are over the horizon; a retry goes at once, to a worker it has not tried.
-        w, _ = await asyncio.wait_for(d.acquire(Job((100,), LONG), rid=2, exclude=frozenset({ws[0].url})), 0.5)
+        w, _ = await asyncio.wait_for(
+            d.acquire(Job((100,), LONG), rid=2, exclude=frozenset({ws[0].url})), 0.5
+        )
         assert w is ws[1]
         with pytest.raises(NoWorkerError):
             await d.acquire(Job((100,), LONG), rid=3, exclude=frozenset({ws[0].url, ws[1].url}))

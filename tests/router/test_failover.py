@@ -10,23 +10,30 @@ import signal
 
 import aiohttp
 
-from plaserve.testing.fake_gpu import FakeGpuServer, spawn
+from plaserve.launcher import free_port
 from plaserve.router.config import RouterConfig
 from plaserve.router.proxy import Router, serve
-from plaserve.launcher import free_port
+from plaserve.testing.fake_gpu import FakeGpuServer, spawn
 
 from .conftest import FAST_HEALTH, gpu
 from .test_proxy import metric
 
-GPU = gpu(tbt_s=0.05, max_output_tokens=10)  # 2,000-token prompts: 0.2 s prefill, then 0.45 s of tokens
+GPU = gpu(
+    tbt_s=0.05, max_output_tokens=10
+)  # 2,000-token prompts: 0.2 s prefill, then 0.45 s of tokens
 
 
 async def outcome(session: aiohttp.ClientSession, url: str, prompt: list[int] | None = None) -> str:
     """'ok' (10 tokens and [DONE]), 'stream_error' (an error event, then [DONE]) or 'http_<status>'.
     Tokens are counted from the final usage: a plaserve worker merges the tokens a slow reader has not
     taken yet into one chunk."""
-    body = {"prompt": prompt or list(range(2000)), "max_tokens": 10, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt or list(range(2000)),
+        "max_tokens": 10,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     async with session.post(url + "/v1/completions", json=body) as resp:
         if resp.status != 200:
             return f"http_{resp.status}"
@@ -50,7 +57,9 @@ def test_killed_worker_requests_are_retried_or_cleanly_failed_and_it_comes_back(
 
     async def main():
         survivor = await FakeGpuServer(GPU).start()
-        router = Router([victim_url, survivor.url], RouterConfig(policy="round_robin", health=FAST_HEALTH))
+        router = Router(
+            [victim_url, survivor.url], RouterConfig(policy="round_robin", health=FAST_HEALTH)
+        )
         port = free_port()
         runner = await serve(router, "127.0.0.1", port)
         url = f"http://127.0.0.1:{port}"
@@ -67,9 +76,14 @@ def test_killed_worker_requests_are_retried_or_cleanly_failed_and_it_comes_back(
                 # were retried on the live worker or never touched the dead one.
                 assert results.count("ok") >= 6 and results.count("stream_error") >= 1, results
                 async with s.get(url + "/metrics") as r:
-                    assert metric(await r.text(), "plaserve_router_retries_total") >= 1  # the queued ones
+                    assert (
+                        metric(await r.text(), "plaserve_router_retries_total") >= 1
+                    )  # the queued ones
                 # After the kill, everything goes to the live worker.
-                assert await asyncio.wait_for(asyncio.gather(*(outcome(s, url) for _ in range(4))), 30) == ["ok"] * 4
+                assert (
+                    await asyncio.wait_for(asyncio.gather(*(outcome(s, url) for _ in range(4))), 30)
+                    == ["ok"] * 4
+                )
                 await asyncio.sleep(0.5)
                 assert not router.workers[victim_url].healthy
                 # The worker restarts on its port: it is back in rotation and gets requests again.

@@ -15,7 +15,7 @@ def scan(data: bytes, piece: int = 7) -> FirstTokenScanner:
     """Feed ``data`` in small pieces, as a socket may deliver it."""
     s = FirstTokenScanner()
     for i in range(0, len(data), piece):
-        s.feed(data[i:i + piece])
+        s.feed(data[i : i + piece])
     return s
 
 
@@ -26,11 +26,17 @@ def test_a_completion_chunk_with_empty_text_is_a_token():
 
 
 def test_the_chat_role_chunk_is_not_a_token_but_an_empty_content_chunk_is():
-    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    role = {
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        ]
+    }
     assert not scan(sse(role)).token
     empty = {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]}
     assert scan(sse(role, empty)).token
-    assert scan(sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]})).token
+    assert scan(
+        sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]})
+    ).token
 
 
 def test_errors_and_early_ends_are_reported():

@@ -9,15 +9,24 @@ import pytest
 from aiohttp import web
 
 from plaserve.cost import CostModel
+from plaserve.launcher import free_port
 from plaserve.router.config import BreakerConfig, HealthConfig
 from plaserve.router.health import WorkerMonitor, parse_age
 from plaserve.router.workers import Worker
-from plaserve.launcher import free_port
 
 
-@pytest.mark.parametrize("body, age", [({"age_s": 0.25}, 0.25), ({"age_s": 0}, 0.0), ({}, 0.0),
-                                       ({"age_s": "0.2"}, 0.0), ({"age_s": -1.0}, 0.0), ({"age_s": True}, 0.0),
-                                       ({"age_s": 1e9}, 0.0)])
+@pytest.mark.parametrize(
+    "body, age",
+    [
+        ({"age_s": 0.25}, 0.25),
+        ({"age_s": 0}, 0.0),
+        ({}, 0.0),
+        ({"age_s": "0.2"}, 0.0),
+        ({"age_s": -1.0}, 0.0),
+        ({"age_s": True}, 0.0),
+        ({"age_s": 1e9}, 0.0),
+    ],
+)
 def test_parse_age_accepts_only_sane_numbers(body, age):
     assert parse_age(body) == age
 
@@ -25,7 +34,9 @@ def test_parse_age_accepts_only_sane_numbers(body, age):
 def test_poll_dates_the_report_back_by_its_age():
     async def main():
         async def load(_: web.Request) -> web.Response:
-            return web.json_response({"backlog_s": {"short": 0.5, "long": 1.0}, "num_requests": 3, "age_s": 0.25})
+            return web.json_response(
+                {"backlog_s": {"short": 0.5, "long": 1.0}, "num_requests": 3, "age_s": 0.25}
+            )
 
         app = web.Application()
         app.router.add_get("/load", load)
@@ -37,8 +48,14 @@ def test_poll_dates_the_report_back_by_its_age():
         worker = Worker(f"http://127.0.0.1:{port}", CostModel(g1=1e-3, g2=0.0), BreakerConfig())
         worker.start(1, 0.2, 200, "short", now=9.8)  # sent after the state the report describes
         async with aiohttp.ClientSession() as session:
-            monitor = WorkerMonitor(HealthConfig(), lambda: session, lambda: [worker], on_change=lambda: None,
-                                    on_load=lambda w, body: None, clock=lambda: clock[0])
+            monitor = WorkerMonitor(
+                HealthConfig(),
+                lambda: session,
+                lambda: [worker],
+                on_change=lambda: None,
+                on_load=lambda w, body: None,
+                clock=lambda: clock[0],
+            )
             await monitor.poll_load(worker)
         await runner.cleanup()
         return worker

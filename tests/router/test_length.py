@@ -5,12 +5,24 @@ from __future__ import annotations
 import asyncio
 
 from plaserve.model.tokenizer import load_tokenizer
-from plaserve.router.length import (CHAT_TOKENS_PER_MESSAGE, CHAT_TOKENS_REPLY, LengthEstimator,
-                                    chat_chars_estimate)
+from plaserve.router.length import (
+    CHAT_TOKENS_PER_MESSAGE,
+    CHAT_TOKENS_REPLY,
+    LengthEstimator,
+    chat_chars_estimate,
+)
 from plaserve.server.prompts import encode_chat
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": [{"type": "text", "text": "Hello world! "}, {"type": "text", "text": "How are you?"}]}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "Hello world! "},
+            {"type": "text", "text": "How are you?"},
+        ],
+    },
+]
 
 
 def run(coro):
@@ -19,7 +31,7 @@ def run(coro):
 
 def test_token_ids_are_exact_and_need_nothing_else():
     est = LengthEstimator()
-    assert run(est.completion({"prompt": [1, 2, 3]})) .tokens == (3,)
+    assert run(est.completion({"prompt": [1, 2, 3]})).tokens == (3,)
     e = run(est.completion({"prompt": [[1, 2], [3, 4, 5, 6]]}))
     assert (e.tokens, e.method) == ((2, 4), "token_ids")
 
@@ -31,9 +43,17 @@ def test_the_models_tokenizer_counts_text_and_the_chat_template(tokenizer_dir):
     e = run(est.completion({"prompt": [text, [7, 8]]}))
     assert (e.tokens, e.method) == ((len(tok.encode(text)), 2), "tokenizer")
     e = run(est.chat({"messages": MESSAGES}))
-    plain = [{"role": m["role"], "content": c if isinstance(c := m["content"], str) else "".join(p["text"] for p in c)}
-             for m in MESSAGES]
-    assert (e.tokens, e.method) == ((len(encode_chat(tok, plain)),), "tokenizer")  # exactly what the server counts
+    plain = [
+        {
+            "role": m["role"],
+            "content": c if isinstance(c := m["content"], str) else "".join(p["text"] for p in c),
+        }
+        for m in MESSAGES
+    ]
+    assert (e.tokens, e.method) == (
+        (len(encode_chat(tok, plain)),),
+        "tokenizer",
+    )  # exactly what the server counts
 
 
 def test_a_workers_tokenize_is_asked_with_the_prompt_or_the_messages():
@@ -59,7 +79,9 @@ def test_characters_when_nothing_else_answers():
     e = run(est.completion({"prompt": "x" * 400}, nobody))
     assert (e.tokens, e.method) == ((100,), "chars")
     e = run(est.chat({"messages": MESSAGES}))
-    expected = CHAT_TOKENS_REPLY + 2 * CHAT_TOKENS_PER_MESSAGE + round((6 + 14) / 4) + round((4 + 25) / 4)
+    expected = (
+        CHAT_TOKENS_REPLY + 2 * CHAT_TOKENS_PER_MESSAGE + round((6 + 14) / 4) + round((4 + 25) / 4)
+    )
     assert e.tokens == (expected,) == (chat_chars_estimate(MESSAGES),)
 
 

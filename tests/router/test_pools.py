@@ -7,8 +7,17 @@ import pytest
 from plaserve.router.config import PoolConfig
 from plaserve.router.pools import LONG, SHORT, PoolController
 
-CFG = PoolConfig(period_s=1.0, cooldown_s=5.0, window_s=10.0, percentile=90.0, min_size=1, hysteresis=0.25,
-                 dead_band=0.1, min_samples=5, initial_short_fraction=0.25)
+CFG = PoolConfig(
+    period_s=1.0,
+    cooldown_s=5.0,
+    window_s=10.0,
+    percentile=90.0,
+    min_size=1,
+    hysteresis=0.25,
+    dead_band=0.1,
+    min_samples=5,
+    initial_short_fraction=0.25,
+)
 
 
 def feed(c: PoolController, cls: str, ratio: float, now: float, n: int = 10) -> None:
@@ -27,7 +36,11 @@ def test_sizes_follow_the_workers():
     assert c.short_size == 1  # clamped: the long pool keeps min_size
     c.set_workers(1, 2.0)
     assert c.short_size == 0  # below two workers there are no pools
-    assert [(r.old, r.new, r.reason) for r in c.history] == [(0, 2, "workers"), (2, 1, "workers"), (1, 0, "workers")]
+    assert [(r.old, r.new, r.reason) for r in c.history] == [
+        (0, 2, "workers"),
+        (2, 1, "workers"),
+        (1, 0, "workers"),
+    ]
 
 
 def test_pressure_is_the_worse_of_predicted_and_observed_percentiles():

@@ -7,8 +7,8 @@ import json
 import time
 
 from plaserve.cost import CostModel
-from plaserve.router.config import BreakerConfig, RouterConfig
 from plaserve.launcher import free_port
+from plaserve.router.config import BreakerConfig, RouterConfig
 
 from .conftest import FAST_HEALTH, cluster, gpu
 
@@ -27,22 +27,33 @@ async def stream_events(session, url: str, body: dict) -> list[tuple[float, dict
             line = line.strip()
             if line.startswith(b"data:"):
                 data = line[5:].strip()
-                out.append((time.perf_counter(), "[DONE]" if data == b"[DONE]" else json.loads(data)))
+                out.append(
+                    (time.perf_counter(), "[DONE]" if data == b"[DONE]" else json.loads(data))
+                )
     return out
 
 
 def metric(text: str, name: str) -> float:
     """The sum of a metric's samples in Prometheus text (0 when absent)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
 
 
 def test_streams_pass_through_chunk_by_chunk():
     async def main():
         async with cluster([gpu(tbt_s=0.2, max_output_tokens=4)]) as c:
-            events = await stream_events(c.session, c.url + "/v1/completions",
-                                         {"prompt": list(range(100)), "max_tokens": 4,
-                                          "stream_options": {"include_usage": True}})
+            events = await stream_events(
+                c.session,
+                c.url + "/v1/completions",
+                {
+                    "prompt": list(range(100)),
+                    "max_tokens": 4,
+                    "stream_options": {"include_usage": True},
+                },
+            )
             tokens = [(t, e) for t, e in events if isinstance(e, dict) and e.get("choices")]
             assert [e["choices"][0]["text"] for _, e in tokens] == ["tok "] * 4
             # Each token reached the client when the worker sent it, not all at the end.
@@ -50,10 +61,17 @@ def test_streams_pass_through_chunk_by_chunk():
             assert events[-1][1] == "[DONE]"
             assert events[-2][1]["usage"]["prompt_tokens"] == 100
             # Chat: the opening role chunk is held back with the first token, then sent in order.
-            events = await stream_events(c.session, c.url + "/v1/chat/completions",
-                                         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+            events = await stream_events(
+                c.session,
+                c.url + "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
             deltas = [e["choices"][0]["delta"] for _, e in events if isinstance(e, dict)]
-            assert deltas == [{"role": "assistant", "content": ""}, {"content": "tok "}, {"content": "tok "}]
+            assert deltas == [
+                {"role": "assistant", "content": ""},
+                {"content": "tok "},
+                {"content": "tok "},
+            ]
 
     run(main())
 
@@ -61,13 +79,16 @@ def test_streams_pass_through_chunk_by_chunk():
 def test_whole_responses_and_models():
     async def main():
         async with cluster([gpu()]) as c:
-            async with c.session.post(c.url + "/v1/completions", json={"prompt": list(range(100)),
-                                                                       "max_tokens": 3}) as r:
+            async with c.session.post(
+                c.url + "/v1/completions", json={"prompt": list(range(100)), "max_tokens": 3}
+            ) as r:
                 body = await r.json()
                 assert r.status == 200 and body["usage"]["prompt_tokens"] == 100
                 assert body["choices"][0]["text"] == "tok tok tok "
-            async with c.session.post(c.url + "/v1/chat/completions",
-                                      json={"messages": [{"role": "user", "content": "hello"}]}) as r:
+            async with c.session.post(
+                c.url + "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hello"}]},
+            ) as r:
                 assert r.status == 200 and (await r.json())["object"] == "chat.completion"
             async with c.session.get(c.url + "/v1/models") as r:
                 assert (await r.json())["data"][0]["id"] == "fake-gpu"
@@ -82,9 +103,16 @@ def test_backends_with_only_the_openai_endpoints():
         async with cluster([gpu(openai_only=True), gpu(openai_only=True)]) as c:
             for w in c.router.workers.values():
                 assert w.healthy and w.health_path == "/v1/models" and w.supports_load is False
-            results = await asyncio.gather(*(stream_events(c.session, c.url + "/v1/completions",
-                                                           {"prompt": "word " * 50, "max_tokens": 2})
-                                             for _ in range(4)))
+            results = await asyncio.gather(
+                *(
+                    stream_events(
+                        c.session,
+                        c.url + "/v1/completions",
+                        {"prompt": "word " * 50, "max_tokens": 2},
+                    )
+                    for _ in range(4)
+                )
+            )
             assert all(evts[-1][1] == "[DONE]" for evts in results)
             async with c.session.get(c.url + "/metrics") as r:
                 text = await r.text()
@@ -100,21 +128,33 @@ def test_plaserve_shaped_backends_report_load_and_tokenize():
         async with cluster([gpu(), gpu()]) as c:
             for w in c.router.workers.values():
                 assert w.supports_load is True and w.cost_model.source == "worker"
-            async with c.session.post(c.url + "/v1/completions", json={"prompt": "word " * 50}) as r:
+            async with c.session.post(
+                c.url + "/v1/completions", json={"prompt": "word " * 50}
+            ) as r:
                 assert r.status == 200
             async with c.session.get(c.url + "/metrics") as r:
-                assert metric(await r.text(), 'plaserve_router_length_estimates_total{method="worker"}') == 1
+                assert (
+                    metric(
+                        await r.text(), 'plaserve_router_length_estimates_total{method="worker"}'
+                    )
+                    == 1
+                )
 
     run(main())
 
 
 def test_failing_worker_is_retried_elsewhere_and_its_circuit_opens():
     async def main():
-        config = RouterConfig(policy="round_robin", health=FAST_HEALTH,
-                              breaker=BreakerConfig(failure_threshold=2, open_s=60.0))
+        config = RouterConfig(
+            policy="round_robin",
+            health=FAST_HEALTH,
+            breaker=BreakerConfig(failure_threshold=2, open_s=60.0),
+        )
         async with cluster([gpu(fail_status=500), gpu()], config) as c:
             for _ in range(6):
-                async with c.session.post(c.url + "/v1/completions", json={"prompt": [1, 2, 3]}) as r:
+                async with c.session.post(
+                    c.url + "/v1/completions", json={"prompt": [1, 2, 3]}
+                ) as r:
                     assert r.status == 200
             bad = c.router.workers[c.gpus[0].url]
             assert bad.breaker.state(time.monotonic()) == "open" and bad.failures_total == 2
@@ -171,8 +211,14 @@ def test_workers_added_and_removed_at_run_time():
             async with c.session.post(c.url + "/workers", json={"url": second}) as r:
                 assert r.status == 200 and (await r.json())["healthy"] is True
             # A request in flight on a worker being removed finishes there.
-            slow = [asyncio.ensure_future(stream_events(c.session, c.url + "/v1/completions",
-                                                        {"prompt": [1], "max_tokens": 3})) for _ in range(2)]
+            slow = [
+                asyncio.ensure_future(
+                    stream_events(
+                        c.session, c.url + "/v1/completions", {"prompt": [1], "max_tokens": 3}
+                    )
+                )
+                for _ in range(2)
+            ]
             await asyncio.sleep(0.2)
             async with c.session.delete(c.url + f"/workers?url={second}") as r:
                 assert r.status == 200
@@ -190,10 +236,16 @@ def test_a_client_that_leaves_frees_its_place_on_the_worker():
     async def main():
         slow = gpu(cost_model=CostModel(g1=1e-3, g2=0.0))  # 1 ms per token
         async with cluster([slow]) as c:
-            body = {"prompt": list(range(500)), "max_tokens": 1, "stream": True}  # 0.5 s of prefill each
+            body = {
+                "prompt": list(range(500)),
+                "max_tokens": 1,
+                "stream": True,
+            }  # 0.5 s of prefill each
             first = asyncio.ensure_future(stream_events(c.session, c.url + "/v1/completions", body))
             await asyncio.sleep(0.1)
-            second = asyncio.ensure_future(stream_events(c.session, c.url + "/v1/completions", body))
+            second = asyncio.ensure_future(
+                stream_events(c.session, c.url + "/v1/completions", body)
+            )
             await asyncio.sleep(0.1)
             second.cancel()  # the client goes away while its request queues on the worker
             await first
@@ -205,13 +257,14 @@ def test_a_client_that_leaves_frees_its_place_on_the_worker():
     run(main())
 
 
-
 def test_a_prompt_counts_once_whatever_its_n():
     async def main():
         async with cluster([gpu()]) as c:
             body = {"prompt": [[1, 2, 3], [4, 5]]}
             one = await c.router.estimate("/v1/completions", body)
             three = await c.router.estimate("/v1/completions", {**body, "n": 3})
-            assert one.tokens == three.tokens == (3, 2)  # the worker prefills each prompt once for its choices
+            assert (
+                one.tokens == three.tokens == (3, 2)
+            )  # the worker prefills each prompt once for its choices
 
     run(main())

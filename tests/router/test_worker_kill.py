@@ -12,9 +12,9 @@ import time
 import aiohttp
 import httpx
 
+from plaserve.launcher import ServerProcess, free_port
 from plaserve.router.config import RouterConfig
 from plaserve.router.proxy import Router, serve
-from plaserve.launcher import ServerProcess, free_port
 
 from .conftest import FAST_HEALTH
 from .test_failover import outcome
@@ -25,16 +25,24 @@ WORKER_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "2048", "--polic
 
 
 def test_a_killed_plaserve_worker_loses_no_request(qwen2_ckpt: str) -> None:
-    with ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as victim, ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as survivor:
+    with (
+        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as victim,
+        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as survivor,
+    ):
+
         async def main() -> None:
-            router = Router([victim.url, survivor.url], RouterConfig(policy="round_robin", health=FAST_HEALTH))
+            router = Router(
+                [victim.url, survivor.url], RouterConfig(policy="round_robin", health=FAST_HEALTH)
+            )
             port = free_port()
             runner = await serve(router, "127.0.0.1", port)
             url = f"http://127.0.0.1:{port}"
             try:
                 async with aiohttp.ClientSession() as s:
                     tasks = [asyncio.ensure_future(outcome(s, url, PROMPT)) for _ in range(24)]
-                    await asyncio.sleep(0.4)  # requests queued, prefilling and streaming on both workers
+                    await asyncio.sleep(
+                        0.4
+                    )  # requests queued, prefilling and streaming on both workers
                     os.kill(victim.proc.pid, signal.SIGKILL)
                     results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # none hangs
                     assert set(results) <= {"ok", "stream_error"}, results
@@ -42,10 +50,14 @@ def test_a_killed_plaserve_worker_loses_no_request(qwen2_ckpt: str) -> None:
                     async with s.get(url + "/metrics") as r:
                         retried = metric(await r.text(), "plaserve_router_retries_total")
                     # Every request after the kill is served by the survivor.
-                    after = await asyncio.wait_for(asyncio.gather(*(outcome(s, url, PROMPT) for _ in range(4))), 60)
+                    after = await asyncio.wait_for(
+                        asyncio.gather(*(outcome(s, url, PROMPT) for _ in range(4))), 60
+                    )
                     assert after == ["ok"] * 4, after
-                    print(f"outcomes {results.count('ok')} ok, {results.count('stream_error')} clean errors; "
-                          f"{retried:.0f} retried")
+                    print(
+                        f"outcomes {results.count('ok')} ok, {results.count('stream_error')} clean errors; "
+                        f"{retried:.0f} retried"
+                    )
             finally:
                 await runner.cleanup()
 

@@ -26,7 +26,9 @@ class A:
 def sim_engine(**kw) -> tuple[LLMEngine, SimClock, CostRunner]:
     clock = SimClock()
     runner = CostRunner(COST, clock)
-    cfg = EngineConfig.from_kwargs(**({"kv_cache_memory": "2GiB", "enable_prefix_caching": False} | kw))
+    cfg = EngineConfig.from_kwargs(
+        **({"kv_cache_memory": "2GiB", "enable_prefix_caching": False} | kw)
+    )
     return LLMEngine(cfg, runner=runner, cost=COST, clock=clock), clock, runner
 
 
@@ -63,13 +65,19 @@ def mixed_arrivals(longs: tuple[int, int] = (8000, 6000)) -> list[A]:
 
 
 @pytest.mark.parametrize("pad", ["always", "never"])
-@pytest.mark.parametrize("longs", [(8000, 6000), (7900, 5800)])  # the second pair ends in stretched chunks
+@pytest.mark.parametrize(
+    "longs", [(8000, 6000), (7900, 5800)]
+)  # the second pair ends in stretched chunks
 def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad, longs):
     engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad)
     readiness = record_ready(engine)
     reqs = replay(engine, clock, mixed_arrivals(longs))
     if longs == (7900, 5800):
-        last_chunks = {r.num_prompt_tokens: r.metrics.prefill_chunks[-1][2] for r in reqs if r.length_class == "long"}
+        last_chunks = {
+            r.num_prompt_tokens: r.metrics.prefill_chunks[-1][2]
+            for r in reqs
+            if r.length_class == "long"
+        }
         assert last_chunks == {7900: 732, 5800: 680}
     shorts = [r for r in reqs if r.length_class == "short"]
     assert len(shorts) == 60 and all(r.finished for r in reqs)
@@ -87,7 +95,9 @@ def record_windows(engine: LLMEngine) -> list[float]:
 
     def logged(batch):
         at = inner(batch)
-        widths.append(at - min(r.metrics.arrival_time for r in batch.reqs))  # from its oldest member
+        widths.append(
+            at - min(r.metrics.arrival_time for r in batch.reqs)
+        )  # from its oldest member
         return at
 
     sched.shorts.ready_at = logged
@@ -106,7 +116,9 @@ def test_window_never_exceeds_w_max():
     replay(engine, clock, [A(0.001 * i, 100, 1) for i in range(64)])
     sizes = [len(b.items) for _, _, b in runner.batches if b.kind == "short"]
     assert max(sizes) > 4
-    assert widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001  # it did wait, within bounds
+    assert (
+        widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001
+    )  # it did wait, within bounds
 
 
 def test_long_request_progresses_within_the_bound_under_a_stream_of_shorts():
@@ -114,13 +126,17 @@ def test_long_request_progresses_within_the_bound_under_a_stream_of_shorts():
     stream = [A(0.012 * i, 200, 1) for i in range(800)]
     long_req = A(1.0, 4096, 1)  # arrives once the short backlog has built up
     k, chunk = 2, 1024
-    engine, clock, runner = sim_engine(policy="pla", max_consecutive_short=k, long_chunk_size=chunk,
-                                       pad_short_batches="always")
+    engine, clock, runner = sim_engine(
+        policy="pla", max_consecutive_short=k, long_chunk_size=chunk, pad_short_batches="always"
+    )
     reqs = replay(engine, clock, sorted(stream + [long_req], key=lambda a: a.arrival), horizon=6.0)
     (long,) = [r for r in reqs if r.num_prompt_tokens == 4096]
     assert long.metrics.first_token_time is not None
-    prefill_steps = sum(1 for start, _, b in runner.batches
-                        if long.metrics.arrival_time <= start < long.metrics.first_token_time and b.kind != "decode")
+    prefill_steps = sum(
+        1
+        for start, _, b in runner.batches
+        if long.metrics.arrival_time <= start < long.metrics.first_token_time and b.kind != "decode"
+    )
     chunks = -(-4096 // chunk)
     assert prefill_steps <= chunks * (k + 1) + 1  # +1: the step running when it arrived
 
@@ -133,7 +149,9 @@ def test_long_request_progresses_within_the_bound_under_a_stream_of_shorts():
 
 @pytest.mark.parametrize("pad", ["always", "never"])
 def test_decode_gaps_are_bounded(pad):
-    engine, clock, runner = sim_engine(policy="pla", max_prefill_steps_between_decodes=2, pad_short_batches=pad)
+    engine, clock, runner = sim_engine(
+        policy="pla", max_prefill_steps_between_decodes=2, pad_short_batches=pad
+    )
     arrivals = [A(0.0, 100, 200)] + [A(0.02 * i, 200 + (i * 53) % 300, 2) for i in range(1, 80)]
     arrivals.append(A(0.1, 7000, 2))
     reqs = replay(engine, clock, arrivals)
@@ -141,7 +159,7 @@ def test_decode_gaps_are_bounded(pad):
     kinds = [b.kind for _, _, b in runner.batches]
     decoding_until = reqs[0].metrics.finish_time
     run = 0
-    for (start, _, b) in runner.batches:
+    for start, _, b in runner.batches:
         if start >= decoding_until:
             break
         has_decode = any(it.num_tokens == 1 and it.request.output_token_ids for it in b.items)
@@ -150,8 +168,9 @@ def test_decode_gaps_are_bounded(pad):
     assert "long" in kinds and "short" in kinds
 
 
-@pytest.mark.parametrize("tokens, chunks", [(700, [700]), (800, [512, 288]), (1200, [512, 688]),
-                                            (1300, [512, 512, 276])])
+@pytest.mark.parametrize(
+    "tokens, chunks", [(700, [700]), (800, [512, 288]), (1200, [512, 688]), (1300, [512, 512, 276])]
+)
 def test_a_long_prefill_leaves_no_stub_of_under_half_a_chunk(tokens, chunks):
     engine, clock, runner = sim_engine(policy="pla", long_chunk_size=512, short_threshold=512)
     (req,) = replay(engine, clock, [A(0.0, tokens, 1)])
@@ -179,13 +198,20 @@ def test_decodes_ride_every_varlen_step_unless_shorts_back_up(backlog):
     # One request decodes throughout while 19 shorts arrive, one at a time or all together.
     gap = 0.0 if backlog else 0.05
     arrivals = [A(0.0, 50, 300)] + [A(0.05 + gap * i, 200, 2) for i in range(19)]
-    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never", max_prefill_steps_between_decodes=1,
-                                       max_num_batched_tokens=400)  # two shorts a batch
+    engine, clock, runner = sim_engine(
+        policy="pla",
+        pad_short_batches="never",
+        max_prefill_steps_between_decodes=1,
+        max_num_batched_tokens=400,
+    )  # two shorts a batch
     reqs = replay(engine, clock, arrivals)
     assert all(r.finished for r in reqs)
     decoding = (reqs[0].metrics.first_token_time, reqs[0].metrics.finish_time)
-    rides = [carries_decodes(b) for start, _, b in runner.batches
-             if decoding[0] <= start < decoding[1] and b.kind != "decode"]
+    rides = [
+        carries_decodes(b)
+        for start, _, b in runner.batches
+        if decoding[0] <= start < decoding[1] and b.kind != "decode"
+    ]
     assert len(rides) >= 4
     if not backlog:
         assert all(rides)
@@ -196,7 +222,9 @@ def test_decodes_ride_every_varlen_step_unless_shorts_back_up(backlog):
 
 
 def test_classification_uses_the_prefix_cache():
-    engine, clock, runner = sim_engine(policy="pla", enable_prefix_caching=True, short_threshold=512)
+    engine, clock, runner = sim_engine(
+        policy="pla", enable_prefix_caching=True, short_threshold=512
+    )
     prompt = [(i * 7) % 500 for i in range(2000)]
     first = engine.add_request(prompt, arrival_time=0.0)
     while engine.has_unfinished():
@@ -210,15 +238,22 @@ def test_classification_uses_the_prefix_cache():
 
 def queue(engine: LLMEngine, arrivals: list[A]) -> list:
     """Add ``arrivals`` to the engine without stepping it."""
-    return [engine.add_request([(7 * i + a.prompt_tokens) % 500 for i in range(a.prompt_tokens)],
-                               arrival_time=a.arrival) for a in arrivals]
+    return [
+        engine.add_request(
+            [(7 * i + a.prompt_tokens) % 500 for i in range(a.prompt_tokens)],
+            arrival_time=a.arrival,
+        )
+        for a in arrivals
+    ]
 
 
 @pytest.mark.parametrize("pad", ["always", "never"])
 def test_short_batch_keeps_its_on_time_members_on_time(pad):
     # Six shorts at once, all due in 0.1 s: three long-ish ones, three small ones. One batch of all of
     # them (~0.14 s predicted) would make every member late.
-    engine, _, _ = sim_engine(policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=1.0)
+    engine, _, _ = sim_engine(
+        policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=1.0
+    )
     reqs = queue(engine, [A(0.0, 400)] * 3 + [A(0.0, 50)] * 3)
     sched = engine.scheduler
     formed = sched.short_batch_plan(0.0)
@@ -237,11 +272,15 @@ def test_short_batch_keeps_its_on_time_members_on_time(pad):
 
 
 def test_short_batch_deadline_check_counts_the_decodes_riding_along():
-    engine, _, _ = sim_engine(policy="pla", pad_short_batches="never", ttft_slo_floor=0.1, ttft_slo_factor=1.0)
+    engine, _, _ = sim_engine(
+        policy="pla", pad_short_batches="never", ttft_slo_floor=0.1, ttft_slo_factor=1.0
+    )
     queue(engine, [A(0.0, 400)] * 2 + [A(0.0, 50)] * 2)
     sched = engine.scheduler
     alone = sched.short_batch_plan(0.0).reqs  # 400, 400, 50, 50: 95 ms predicted
-    decoders = queue(sim_engine()[0], [A(0.0, 300)] * 80)  # ~8.5 ms of decode tokens in every varlen step
+    decoders = queue(
+        sim_engine()[0], [A(0.0, 300)] * 80
+    )  # ~8.5 ms of decode tokens in every varlen step
     sched.decoding = lambda: decoders
     plan = sched.plan(0.0)  # a new decision: riders and the late set computed afresh
     riding = plan.rider_time
@@ -267,8 +306,12 @@ def test_late_requests_yield_to_on_time_ones_for_a_bounded_time():
 def test_head_of_line_bound_holds_in_an_overload(pad):
     # Shorts arrive faster than they can be served while two long prompts are pending, with SLOs tight
     # enough that many are given up: being given up must not push a ready request back in the queue.
-    arrivals = [A(0.0, 6000, 2), A(0.2, 5000, 2)] + [A(0.005 * i, 60 + (i * 53) % 400, 2) for i in range(200)]
-    engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=2.0)
+    arrivals = [A(0.0, 6000, 2), A(0.2, 5000, 2)] + [
+        A(0.005 * i, 60 + (i * 53) % 400, 2) for i in range(200)
+    ]
+    engine, clock, runner = sim_engine(
+        policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=2.0
+    )
     readiness = record_ready(engine)
     reqs = replay(engine, clock, sorted(arrivals, key=lambda a: a.arrival))
     shorts = [r for r in reqs if r.length_class == "short"]
@@ -296,12 +339,16 @@ def test_yielding_cuts_slo_violations_in_a_burst():
     # 30 shorts at once (most must miss 0.25 s), then a trickle the engine could serve in time. In
     # plain deadline order (late_yield=0) the trickle waits behind the burst's late requests, whose
     # deadlines are earlier; yielding serves it first.
-    arrivals = [A(0.001 * i, 100 + (i * 37) % 300, 1) for i in range(30)] + [A(0.3 + 0.05 * i, 100, 1) for i in range(10)]
+    arrivals = [A(0.001 * i, 100 + (i * 37) % 300, 1) for i in range(30)] + [
+        A(0.3 + 0.05 * i, 100, 1) for i in range(10)
+    ]
     late = {}
     for late_yield in (0.0, 2.0):
         engine, clock, _ = sim_engine(policy="pla", late_yield=late_yield)
         reqs = replay(engine, clock, arrivals)
-        late[late_yield] = [sum(r.metrics.ttft > r.ttft_slo for r in part) for part in (reqs, reqs[30:])]
+        late[late_yield] = [
+            sum(r.metrics.ttft > r.ttft_slo for r in part) for part in (reqs, reqs[30:])
+        ]
     assert late[2.0][1] <= late[0.0][1] - 4  # the trickle: 8 late without yielding, 2 with
     assert late[2.0][0] < late[0.0][0]
 
@@ -311,7 +358,9 @@ def test_a_request_arriving_at_the_same_time_joins_the_late_set():
     shorts = queue(engine, [A(0.001, 480)] * 3)
     sched = engine.scheduler
     assert sched.plan(0.001).late == set()
-    long, = queue(engine, [A(0.0, 2000)])  # same scheduling time, a new request: the next decision's plan has it
+    (long,) = queue(
+        engine, [A(0.0, 2000)]
+    )  # same scheduling time, a new request: the next decision's plan has it
     plan = sched.plan(0.001)
     assert plan.late == {long} and not any(plan.yields(r) for r in shorts)
 
@@ -327,10 +376,16 @@ def test_no_harm_at_light_load():
         reqs = replay(engine, clock, arrivals)
         ttft[policy] = [r.metrics.ttft for r in reqs]
         if policy == "pla":
-            warm = [r for r in reqs if r.metrics.arrival_time >= HORIZON_S and r.length_class == "long"]
+            warm = [
+                r for r in reqs if r.metrics.arrival_time >= HORIZON_S and r.length_class == "long"
+            ]
             assert warm and all(len(r.metrics.prefill_chunks) == 1 for r in warm)
-            cold = [r for r in reqs if r.metrics.arrival_time < HORIZON_S and r.length_class == "long"]
-            assert all(len(r.metrics.prefill_chunks) > 1 for r in cold)  # no evidence of light load yet
+            cold = [
+                r for r in reqs if r.metrics.arrival_time < HORIZON_S and r.length_class == "long"
+            ]
+            assert all(
+                len(r.metrics.prefill_chunks) > 1 for r in cold
+            )  # no evidence of light load yet
     for a, f, p in zip(arrivals, ttft["fcfs"], ttft["pla"]):
         if a.arrival >= HORIZON_S:
             assert p == pytest.approx(f)
@@ -342,13 +397,19 @@ def test_long_prefills_stay_chunked_while_the_machine_is_busy(light_load):
     # short waiting, is still cut into chunks, so the shorts that follow pass it (with light_load 1.0
     # every machine counts as lightly loaded: the prompt runs whole).
     shorts = [A(0.045 * i, 200, 1) for i in range(400)]
-    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never", light_load=light_load)
+    engine, clock, runner = sim_engine(
+        policy="pla", pad_short_batches="never", light_load=light_load
+    )
     reqs = replay(engine, clock, sorted(shorts + [A(15.01, 1800, 1)], key=lambda a: a.arrival))
     (long,) = [r for r in reqs if r.num_prompt_tokens == 1800]
     if light_load == 1.0:
         assert len(long.metrics.prefill_chunks) == 1
         return
-    busy = sum(min(end, 15.0) - max(start, 5.0) for start, end, _ in runner.batches if start < 15.0 and end > 5.0)
+    busy = sum(
+        min(end, 15.0) - max(start, 5.0)
+        for start, end, _ in runner.batches
+        if start < 15.0 and end > 5.0
+    )
     assert busy / 10.0 > 0.3  # the busy share pla reads when the long prompt arrives
     assert len(long.metrics.prefill_chunks) > 1
 

@@ -25,7 +25,9 @@ def offline(qwen2_ckpt: str) -> LLM:
     return LLM(qwen2_ckpt, kv_cache_memory="64MiB")
 
 
-def _offline_text(offline: LLM, prompt: str | list[int], max_tokens: int, **kw: object) -> tuple[str, str, list[int]]:
+def _offline_text(
+    offline: LLM, prompt: str | list[int], max_tokens: int, **kw: object
+) -> tuple[str, str, list[int]]:
     out = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw))[0]
     return out.text, out.outputs[0].finish_reason, out.prompt_token_ids
 
@@ -38,8 +40,9 @@ def test_models_lists_the_served_model(client: openai.OpenAI, qwen2_ckpt: str) -
 def test_completion_matches_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
     model = client.models.list().data[0].id
     text, reason, prompt_ids = _offline_text(offline, PROMPT, 12, ignore_eos=True)
-    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     choice = resp.choices[0]
     assert choice.text == text and choice.finish_reason == reason == "length"
     assert resp.model == model
@@ -56,45 +59,78 @@ def test_penalties_reach_the_engine(client: openai.OpenAI, offline: LLM) -> None
     penalties = dict(presence_penalty=1.2, frequency_penalty=0.6)
     text, _, _ = _offline_text(offline, PROMPT, 12, repetition_penalty=1.3, **penalties)
     plain, _, _ = _offline_text(offline, PROMPT, 12)
-    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, **penalties,
-                                     extra_body={"repetition_penalty": 1.3})
+    resp = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0.0,
+        **penalties,
+        extra_body={"repetition_penalty": 1.3},
+    )
     assert resp.choices[0].text == text != plain
 
     # min_p cuts the sampled distribution: same seed, same text as offline, not the uncut one.
     def sampled(**kw: float) -> str:
         params = SamplingParams(max_tokens=12, temperature=1.5, seed=3, ignore_eos=True, **kw)
         return offline.generate(PROMPT, params)[0].text
-    resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3,
-                                     extra_body={"min_p": 0.5, "ignore_eos": True})
+
+    resp = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.5,
+        seed=3,
+        extra_body={"min_p": 0.5, "ignore_eos": True},
+    )
     assert resp.choices[0].text == sampled(min_p=0.5) != sampled()
 
     # logit_bias (OpenAI's: string keys): +100 on one token makes greedy decoding pick nothing else.
-    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-                                          temperature=0.0, logit_bias={"300": 100}, logprobs=True)
-    assert [e.token for e in resp.choices[0].logprobs.content] == [offline.get_tokenizer().decode([300])] * 4
+    resp = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=4,
+        temperature=0.0,
+        logit_bias={"300": 100},
+        logprobs=True,
+    )
+    assert [e.token for e in resp.choices[0].logprobs.content] == [
+        offline.get_tokenizer().decode([300])
+    ] * 4
 
     # min_tokens: the greedy first token as a stop token would end the request at once; not before 3.
     first = offline.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
-    stop = dict(max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [first], "ignore_eos": True})
-    assert client.completions.create(model=model, prompt=PROMPT, **stop).usage.completion_tokens == 1
+    stop = dict(
+        max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [first], "ignore_eos": True}
+    )
+    assert (
+        client.completions.create(model=model, prompt=PROMPT, **stop).usage.completion_tokens == 1
+    )
     stop["extra_body"] = {**stop["extra_body"], "min_tokens": 3}
     resp = client.completions.create(model=model, prompt=PROMPT, **stop)
     assert resp.usage.completion_tokens >= 3
 
 
-def test_stop_string_kept_and_special_tokens_shown_on_request(client: openai.OpenAI, offline: LLM) -> None:
+def test_stop_string_kept_and_special_tokens_shown_on_request(
+    client: openai.OpenAI, offline: LLM
+) -> None:
     model = client.models.list().data[0].id
     text, _, _ = _offline_text(offline, PROMPT, 12, ignore_eos=True)
     stop = text[3:5]
     args = dict(model=model, prompt=PROMPT, max_tokens=12, temperature=0.0, stop=[stop])
     cut = client.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
-    kept = client.completions.create(**args, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    kept = client.completions.create(
+        **args, extra_body={"ignore_eos": True, "include_stop_str_in_output": True}
+    )
     assert kept.choices[0].text == cut + stop and text.startswith(kept.choices[0].text)
 
     # <|im_start|> (id 2) is special but not an end of sequence: forced by a bias, shown only on request.
     forced = dict(model=model, prompt=PROMPT, max_tokens=2, temperature=0.0, logit_bias={"2": 100})
     assert client.completions.create(**forced).choices[0].text == ""
-    shown = client.completions.create(**forced, extra_body={"skip_special_tokens": False}).choices[0].text
+    shown = (
+        client.completions.create(**forced, extra_body={"skip_special_tokens": False})
+        .choices[0]
+        .text
+    )
     assert shown == "<|im_start|>" * 2
 
 
@@ -103,16 +139,31 @@ def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:
     repeat across requests; the prompt counts once in usage."""
     model = client.models.list().data[0].id
     prompts = [[5, 6, 7, 8, 9], [100, 101, 102]]
-    resp = client.completions.create(model=model, prompt=prompts, n=2, max_tokens=6, temperature=0.0,
-                                     extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=model,
+        prompt=prompts,
+        n=2,
+        max_tokens=6,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     for k, prompt in enumerate(prompts):
         text, _, _ = _offline_text(offline, prompt, 6, ignore_eos=True)
-        assert resp.choices[2 * k].text == resp.choices[2 * k + 1].text == text  # greedy: the same twice
+        assert (
+            resp.choices[2 * k].text == resp.choices[2 * k + 1].text == text
+        )  # greedy: the same twice
     assert resp.usage.prompt_tokens == 5 + 3 and resp.usage.completion_tokens == 4 * 6
 
-    sampled = dict(model=model, prompt=PROMPT, n=4, max_tokens=8, temperature=1.0, seed=11,
-                   extra_body={"ignore_eos": True})
+    sampled = dict(
+        model=model,
+        prompt=PROMPT,
+        n=4,
+        max_tokens=8,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
     first, again = client.completions.create(**sampled), client.completions.create(**sampled)
     texts = [c.text for c in first.choices]
     assert texts == [c.text for c in again.choices] and len(set(texts)) > 1
@@ -121,23 +172,40 @@ def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:
 
 def test_n_choices_share_one_prefill(client: openai.OpenAI, server, offline: LLM) -> None:
     """The later choices of a prompt wait for the first one's prefill and reuse its cached blocks."""
+
     def cache_hits() -> float:
         text = httpx.get(f"{server.url}/metrics").text
-        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                    if s.name.startswith("plaserve_prefix_cache_hit_tokens"))
+        return next(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.startswith("plaserve_prefix_cache_hit_tokens")
+        )
 
     prompt = [(7 * i) % 300 + 1 for i in range(101)]  # 6 full blocks of 16 before its last token
     text, _, _ = _offline_text(offline, prompt, 5, ignore_eos=True)
     before = cache_hits()
-    resp = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, n=3, max_tokens=5,
-                                     temperature=0.0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        n=3,
+        max_tokens=5,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.text for c in resp.choices] == [text] * 3
     assert cache_hits() - before == 2 * 96  # choices 1 and 2 computed only the last 5 prompt tokens
 
 
 def test_streamed_chat_with_n_choices_equals_the_whole_response(client: openai.OpenAI) -> None:
-    args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], n=3,
-                max_tokens=8, temperature=1.0, seed=5)
+    args = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        n=3,
+        max_tokens=8,
+        temperature=1.0,
+        seed=5,
+    )
     whole = client.chat.completions.create(**args)
     streamed = {i: "" for i in range(3)}
     roles, reasons = set(), {}
@@ -154,21 +222,38 @@ def test_streamed_chat_with_n_choices_equals_the_whole_response(client: openai.O
 
 def test_completion_logprobs_match_the_offline_engine(client: openai.OpenAI, offline: LLM) -> None:
     model = client.models.list().data[0].id
-    ref = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))[0]
-    args = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0, logprobs=3, extra_body={"ignore_eos": True})
+    ref = offline.generate(
+        PROMPT, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3)
+    )[0]
+    args = dict(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0.0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     lp = client.completions.create(**args).choices[0].logprobs
     expected = ref.outputs[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
     for got, want, top in zip(lp.token_logprobs, expected, lp.top_logprobs):
         assert got == pytest.approx(want.logprob, abs=1e-4)
-        assert len(top) >= 3 and max(top.values()) == pytest.approx(got, abs=1e-6)  # greedy: the likeliest
+        assert len(top) >= 3 and max(top.values()) == pytest.approx(
+            got, abs=1e-6
+        )  # greedy: the likeliest
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
 
     streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
     for chunk in client.completions.create(stream=True, **args):
         for key in streamed:
-            streamed[key] += getattr(chunk.choices[0].logprobs, key) if chunk.choices[0].logprobs else []
-    assert streamed == {"tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset}
+            streamed[key] += (
+                getattr(chunk.choices[0].logprobs, key) if chunk.choices[0].logprobs else []
+            )
+    assert streamed == {
+        "tokens": lp.tokens,
+        "token_logprobs": lp.token_logprobs,
+        "text_offset": lp.text_offset,
+    }
 
 
 def test_echo_with_prompt_logprobs(client: openai.OpenAI, offline: LLM) -> None:
@@ -176,13 +261,19 @@ def test_echo_with_prompt_logprobs(client: openai.OpenAI, offline: LLM) -> None:
     tokens' logprobs (the first has none) lead the completion's, equal to the offline engine's."""
     model = client.models.list().data[0].id
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    ref = offline.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, logprobs=1))[0]
+    ref = offline.generate(
+        [prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, logprobs=1)
+    )[0]
     args = dict(model=model, prompt=prompt, max_tokens=1, temperature=0.0, logprobs=1, echo=True)
     choice = client.completions.create(**args).choices[0]
     prompt_text = offline.get_tokenizer().decode(prompt, skip_special_tokens=False)
     assert choice.text == prompt_text + ref.text
     lp = choice.logprobs
-    assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert (
+        len(lp.tokens) == len(prompt) + 1
+        and lp.token_logprobs[0] is None
+        and lp.top_logprobs[0] is None
+    )
     expected = [e.logprob for e in ref.prompt_logprobs[1:]] + [ref.outputs[0].logprobs[0].logprob]
     assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
 
@@ -192,21 +283,36 @@ def test_echo_with_prompt_logprobs(client: openai.OpenAI, offline: LLM) -> None:
         streamed_lp += chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else []
     assert streamed_text == choice.text and streamed_lp == lp.token_logprobs
 
-    plain = client.completions.create(model=model, prompt="Say", max_tokens=2, temperature=0.0, echo=True)
+    plain = client.completions.create(
+        model=model, prompt="Say", max_tokens=2, temperature=0.0, echo=True
+    )
     assert plain.choices[0].text.startswith("Say") and plain.choices[0].logprobs is None
 
 
 def test_chat_logprobs(client: openai.OpenAI) -> None:
-    args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
-                temperature=0.0, logprobs=True, top_logprobs=2)
+    args = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=0.0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     resp = client.chat.completions.create(**args)
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     for entry in content:
         assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
-        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the likeliest
-    streamed = [e for chunk in client.chat.completions.create(stream=True, **args)
-                for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+        assert entry.top_logprobs[0].logprob == pytest.approx(
+            entry.logprob
+        )  # greedy: the likeliest
+    streamed = [
+        e
+        for chunk in client.chat.completions.create(stream=True, **args)
+        for c in chunk.choices
+        if c.logprobs
+        for e in c.logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     plain = client.chat.completions.create(**{**args, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
@@ -214,15 +320,22 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 
 def test_prompt_cache_hits_are_reported_as_cached_tokens(client: openai.OpenAI) -> None:
     prompt = list(range(10, 10 + 40))  # 2 full blocks of 16 the second time
-    first = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=1)
+    first = client.completions.create(
+        model=client.models.list().data[0].id, prompt=prompt, max_tokens=1
+    )
     again = client.completions.create(model=first.model, prompt=prompt, max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens == 32
 
 
 def test_batch_of_token_id_prompts(client: openai.OpenAI, offline: LLM) -> None:
     prompts = [[5, 6, 7, 8, 9], [100, 101, 102]]
-    resp = client.completions.create(model=client.models.list().data[0].id, prompt=prompts, max_tokens=5,
-                                     temperature=0.0, extra_body={"ignore_eos": True})
+    resp = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompts,
+        max_tokens=5,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in resp.choices] == [0, 1]
     for prompt, choice in zip(prompts, resp.choices):
         assert choice.text == _offline_text(offline, prompt, 5, ignore_eos=True)[0]
@@ -231,9 +344,16 @@ def test_batch_of_token_id_prompts(client: openai.OpenAI, offline: LLM) -> None:
 
 def test_chat_applies_the_template(client: openai.OpenAI, offline: LLM, server) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
-    expected = offline.chat(messages, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    resp = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, max_tokens=10,
-                                          temperature=0.0, extra_body={"ignore_eos": True})
+    expected = offline.chat(
+        messages, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    )
+    resp = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=10,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert resp.choices[0].message.role == "assistant"
     assert resp.choices[0].message.content == expected.text
     assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
@@ -243,9 +363,13 @@ def test_chat_applies_the_template(client: openai.OpenAI, offline: LLM, server) 
 
 def test_streaming_completion_equals_the_whole_response(client: openai.OpenAI) -> None:
     model = client.models.list().data[0].id
-    kw = dict(model=model, prompt=PROMPT, max_tokens=20, temperature=0.0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=model, prompt=PROMPT, max_tokens=20, temperature=0.0, extra_body={"ignore_eos": True}
+    )
     whole = client.completions.create(**kw)
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
@@ -255,12 +379,20 @@ def test_streaming_completion_equals_the_whole_response(client: openai.OpenAI) -
 
 
 def test_streaming_chat_equals_the_whole_response(client: openai.OpenAI) -> None:
-    kw = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}],
-              max_tokens=15, temperature=0.0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=15,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
@@ -276,8 +408,12 @@ def test_stream_ends_with_done(server) -> None:
 
 def _stream_events(server, body: dict) -> list[dict]:
     """The JSON events of a streamed ``/v1/completions`` request, as sent (``[DONE]`` left out)."""
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30) as resp:
-        return [json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"]
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30
+    ) as resp:
+        return [
+            json.loads(line[6:]) for line in resp.iter_lines() if line and line != "data: [DONE]"
+        ]
 
 
 def test_streamed_chunks_carry_usage_only_when_asked(server) -> None:
@@ -293,28 +429,54 @@ def test_streamed_chunks_carry_usage_only_when_asked(server) -> None:
 def test_continuous_usage_stats_count_up_to_the_final_usage(client: openai.OpenAI) -> None:
     """vLLM's ``continuous_usage_stats``: every chunk with choices carries the usage so far; the counts
     grow token by token to the final usage chunk's."""
-    chunks = list(client.completions.create(
-        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True,
-        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     *running, last = chunks
     assert last.choices == [] and last.usage.completion_tokens == 12
     assert all(c.choices for c in running)  # (a busy engine may merge tokens into fewer chunks)
     completion = [c.usage.completion_tokens for c in running]
-    assert completion == sorted(set(completion)) and completion[-1] == 12  # strictly growing to the final count
+    assert (
+        completion == sorted(set(completion)) and completion[-1] == 12
+    )  # strictly growing to the final count
     assert {c.usage.prompt_tokens for c in running} == {last.usage.prompt_tokens}
-    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in running)
+    assert all(
+        c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in running
+    )
 
 
 def test_continuous_usage_stats_with_n_choices(client: openai.OpenAI) -> None:
     """With ``n`` choices the running counts are the request's, as the final usage counts them: the prompt
     once, every choice's tokens. The role chunks that open the choices count no tokens yet."""
-    args = dict(model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}], n=2,
-                max_tokens=6, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    args = dict(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": PROMPT}],
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**args)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"continuous_usage_stats": True},
-                                                 **args))
-    assert all(c.choices and c.usage for c in chunks)  # no include_usage: no last chunk without choices
-    assert [c.usage.completion_tokens for c in chunks[:2]] == [0, 0] and chunks[0].choices[0].delta.role
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"continuous_usage_stats": True}, **args
+        )
+    )
+    assert all(
+        c.choices and c.usage for c in chunks
+    )  # no include_usage: no last chunk without choices
+    assert [c.usage.completion_tokens for c in chunks[:2]] == [0, 0] and chunks[0].choices[
+        0
+    ].delta.role
     completion = [c.usage.completion_tokens for c in chunks]
     assert completion == sorted(completion)
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 2 * 6
@@ -324,7 +486,9 @@ def test_continuous_usage_stats_with_n_choices(client: openai.OpenAI) -> None:
 def _stop_across_tokens(offline: LLM, prompt: str, max_tokens: int) -> str:
     """A stop string whose first occurrence in the greedy output starts in one token and ends in the next,
     so a server that streamed text before the stop string was complete would send too much."""
-    out = offline.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+    out = offline.generate(
+        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )[0]
     pieces = [offline.get_tokenizer().decode([t]) for t in out.token_ids]
     assert "".join(pieces) == out.text
     offset = 0
@@ -351,30 +515,61 @@ def test_stop_strings_cut_the_text_streamed_or_not(client: openai.OpenAI, offlin
 
 
 def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
-    kw = dict(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=12, temperature=1.0, top_p=0.9,
-              seed=1234, extra_body={"top_k": 50, "ignore_eos": True})
-    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    kw = dict(
+        model=client.models.list().data[0].id,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"top_k": 50, "ignore_eos": True},
+    )
+    assert (
+        client.completions.create(**kw).choices[0].text
+        == client.completions.create(**kw).choices[0].text
+    )
 
 
 def test_tokenize_counts_like_usage(client: openai.OpenAI, server) -> None:
     resp = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
-    usage = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=1).usage
+    usage = client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=1
+    ).usage
     assert resp["count"] == len(resp["tokens"]) == usage.prompt_tokens
     assert resp["max_model_len"] == 2048
 
 
 def test_metrics_parse_and_count_requests(client: openai.OpenAI, server) -> None:
     client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=4)
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
-    for name in ("plaserve_requests", "plaserve_time_to_first_token_seconds", "plaserve_time_between_tokens_seconds",
-                 "plaserve_e2e_request_latency_seconds", "plaserve_queued_requests", "plaserve_running_requests",
-                 "plaserve_kv_blocks_used", "plaserve_kv_blocks_free", "plaserve_prefix_cache_hit_tokens",
-                 "plaserve_grid_hits", "plaserve_grid_fallbacks", "plaserve_backlog_seconds"):
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+    }
+    for name in (
+        "plaserve_requests",
+        "plaserve_time_to_first_token_seconds",
+        "plaserve_time_between_tokens_seconds",
+        "plaserve_e2e_request_latency_seconds",
+        "plaserve_queued_requests",
+        "plaserve_running_requests",
+        "plaserve_kv_blocks_used",
+        "plaserve_kv_blocks_free",
+        "plaserve_prefix_cache_hit_tokens",
+        "plaserve_grid_hits",
+        "plaserve_grid_fallbacks",
+        "plaserve_backlog_seconds",
+    ):
         assert name in families, name
-    finished = sum(s.value for s in families["plaserve_requests"].samples if s.name == "plaserve_requests_total")
+    finished = sum(
+        s.value
+        for s in families["plaserve_requests"].samples
+        if s.name == "plaserve_requests_total"
+    )
     assert finished >= 1
-    ttft_counts = {s.labels["length_class"]: s.value for s in families["plaserve_time_to_first_token_seconds"].samples
-                   if s.name.endswith("_count")}
+    ttft_counts = {
+        s.labels["length_class"]: s.value
+        for s in families["plaserve_time_to_first_token_seconds"].samples
+        if s.name.endswith("_count")
+    }
     assert set(ttft_counts) == {"short", "long"} and ttft_counts["short"] >= 1
     free = families["plaserve_kv_blocks_free"].samples[0].value
     used = families["plaserve_kv_blocks_used"].samples[0].value
@@ -390,7 +585,9 @@ def test_load_report(server) -> None:
     assert {"used_blocks", "free_blocks", "utilization"} <= set(load["kv"])
     assert {"g1", "g2", "c0"} <= set(load["cost_model"])
     assert load["short_threshold"] == 512 and isinstance(load["policy"], str)
-    assert load["dtype"] == httpx.get(f"{server.url}/server_info").json()["dtype"]  # what --dtype auto chose
+    assert (
+        load["dtype"] == httpx.get(f"{server.url}/server_info").json()["dtype"]
+    )  # what --dtype auto chose
 
 
 def test_sglang_router_endpoints(server, qwen2_ckpt: str) -> None:
@@ -411,8 +608,13 @@ def _load(server) -> dict:
 
 def _aborted(server) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "plaserve_requests"
-               for s in f.samples if s.name == "plaserve_requests_total" and s.labels["finish_reason"] == "abort")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "plaserve_requests"
+        for s in f.samples
+        if s.name == "plaserve_requests_total" and s.labels["finish_reason"] == "abort"
+    )
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
@@ -422,7 +624,9 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             assert next(line for line in lines if line).startswith("data: ")
-            assert _load(server)["kv"]["used_blocks"] > 0  # the request holds blocks while it streams
+            assert (
+                _load(server)["kv"]["used_blocks"] > 0
+            )  # the request holds blocks while it streams
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
@@ -453,37 +657,67 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server) -> None:
 # What vLLM's Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json) and the Gateway
 # API Inference Extension's model-server protocol read from a vLLM server, by metric family name
 # (counters without their _total suffix, as the parser reports them).
-VLLM_FAMILIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
-                 "vllm:request_decode_time_seconds", "vllm:prompt_tokens", "vllm:generation_tokens",
-                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_success",
-                 "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                 "vllm:cache_config_info")
+VLLM_FAMILIES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+    "vllm:request_success",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:num_preemptions",
+    "vllm:cache_config_info",
+)
 
 
 def test_vllm_metric_names_with_the_model_name(client: openai.OpenAI, server) -> None:
     def families() -> dict:
-        return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)}
+        return {
+            f.name: f
+            for f in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text)
+        }
 
     def total(fams: dict, name: str, sample: str) -> float:
         return sum(s.value for s in fams[name].samples if s.name == sample)
 
     model = client.models.list().data[0].id
     before = families()
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     after = families()
     for name in VLLM_FAMILIES:
         assert name in after, name
         assert all(s.labels["model_name"] == model for s in after[name].samples), name
-    assert total(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total") - \
-        total(before, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == out.usage.prompt_tokens
-    assert total(after, "vllm:generation_tokens", "vllm:generation_tokens_total") - \
-        total(before, "vllm:generation_tokens", "vllm:generation_tokens_total") == 5
-    assert total(after, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count") >= 1
+    assert (
+        total(after, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+        - total(before, "vllm:prompt_tokens", "vllm:prompt_tokens_total")
+        == out.usage.prompt_tokens
+    )
+    assert (
+        total(after, "vllm:generation_tokens", "vllm:generation_tokens_total")
+        - total(before, "vllm:generation_tokens", "vllm:generation_tokens_total")
+        == 5
+    )
+    assert (
+        total(after, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")
+        >= 1
+    )
     queries = total(after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
-    assert queries >= total(after, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") and queries > 0
+    assert (
+        queries >= total(after, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+        and queries > 0
+    )
     usage = after["vllm:kv_cache_usage_perc"].samples[0].value
     assert 0 <= usage <= 1
     config = after["vllm:cache_config_info"].samples[0].labels

@@ -28,12 +28,28 @@ def serve_args(argv: list[str]) -> argparse.Namespace:
 
 
 def test_scheduler_flags_reach_the_scheduler_config() -> None:
-    args = serve_args(["--late-yield", "5", "--max-consecutive-short", "3",
-                                      "--ttft-slo-floor", "0.5", "--ttft-slo-factor", "4",
-                                      "--max-num-batched-tokens", "4096"])
+    args = serve_args(
+        [
+            "--late-yield",
+            "5",
+            "--max-consecutive-short",
+            "3",
+            "--ttft-slo-floor",
+            "0.5",
+            "--ttft-slo-factor",
+            "4",
+            "--max-num-batched-tokens",
+            "4096",
+        ]
+    )
     sched = engine_config_from_args(args).scheduler
-    assert (sched.late_yield, sched.max_consecutive_short, sched.ttft_slo_floor, sched.ttft_slo_factor,
-            sched.max_num_batched_tokens) == (5.0, 3, 0.5, 4.0, 4096)
+    assert (
+        sched.late_yield,
+        sched.max_consecutive_short,
+        sched.ttft_slo_floor,
+        sched.ttft_slo_factor,
+        sched.max_num_batched_tokens,
+    ) == (5.0, 3, 0.5, 4.0, 4096)
     defaults = engine_config_from_args(serve_args([])).scheduler
     assert defaults.late_yield == 2.0 and defaults.max_num_batched_tokens == 2048
 

@@ -16,16 +16,29 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from plaserve.server.connections import ErrorGuard, http_protocol
 from plaserve.launcher import ServerProcess, free_port
+from plaserve.server.connections import ErrorGuard, http_protocol
 
 TIMEOUT = 1.0
 
 
 @pytest.fixture(scope="module")
 def server(qwen2_ckpt: str) -> Iterator[ServerProcess]:
-    args = [qwen2_ckpt, "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--header-timeout", str(TIMEOUT),
-            "--idle-timeout", str(TIMEOUT), "--body-timeout", str(TIMEOUT), "--max-body-size", "64KiB"]
+    args = [
+        qwen2_ckpt,
+        "--kv-cache-memory",
+        "16MiB",
+        "--max-model-len",
+        "256",
+        "--header-timeout",
+        str(TIMEOUT),
+        "--idle-timeout",
+        str(TIMEOUT),
+        "--body-timeout",
+        str(TIMEOUT),
+        "--max-body-size",
+        "64KiB",
+    ]
     with ServerProcess(args) as proc:
         yield proc
 
@@ -68,7 +81,9 @@ def test_trickled_headers_are_cut_off(server: ServerProcess, after_a_response: b
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         start = time.monotonic()
         closed = False
-        for _ in range(20):  # one header byte every 0.2 s: each resets uvicorn's own keep-alive timer
+        for _ in range(
+            20
+        ):  # one header byte every 0.2 s: each resets uvicorn's own keep-alive timer
             try:
                 sock.sendall(b"X")
             except (BrokenPipeError, ConnectionResetError):
@@ -87,7 +102,9 @@ def test_hundreds_of_idle_connections_are_all_closed(server: ServerProcess) -> N
         assert open_fds(server.proc.pid) >= before + 150  # the server holds them now
         deadline = time.monotonic() + TIMEOUT + 5
         while open_fds(server.proc.pid) > before + 2:
-            assert time.monotonic() < deadline, f"{open_fds(server.proc.pid) - before} connections left open"
+            assert time.monotonic() < deadline, (
+                f"{open_fds(server.proc.pid) - before} connections left open"
+            )
             time.sleep(0.1)
         assert all(closed_by_server(s, within=1) for s in socks)
     finally:
@@ -95,7 +112,9 @@ def test_hundreds_of_idle_connections_are_all_closed(server: ServerProcess) -> N
             s.close()
 
 
-def test_a_keep_alive_connection_is_closed_after_the_idle_timeout_and_serves_until_then(server: ServerProcess) -> None:
+def test_a_keep_alive_connection_is_closed_after_the_idle_timeout_and_serves_until_then(
+    server: ServerProcess,
+) -> None:
     conn = http.client.HTTPConnection(server.host, server.port, timeout=10)
     for _ in range(3):  # requests closer together than the idle timeout share the connection
         conn.request("GET", "/health")
@@ -108,24 +127,31 @@ def test_a_keep_alive_connection_is_closed_after_the_idle_timeout_and_serves_unt
 
 def test_a_slow_body_gets_408(server: ServerProcess) -> None:
     with connect(server) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
         sock.settimeout(TIMEOUT + 5)
         reply = sock.recv(65536)
         assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
 
 
 def test_a_large_body_gets_413_before_it_is_read(server: ServerProcess) -> None:
-    resp = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * 100_000 + b"}",
-                      headers={"Content-Type": "application/json"})
+    resp = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{" + b" " * 100_000 + b"}",
+        headers={"Content-Type": "application/json"},
+    )
     assert resp.status_code == 413 and resp.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_a_client_leaving_while_sending_its_body_is_quiet(server: ServerProcess) -> None:
     for _ in range(5):
         with connect(server) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 5000\r\n\r\n{\"messages\": [")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 5000\r\n\r\n{"messages": ['
+            )
             time.sleep(0.05)
     time.sleep(0.3)
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -136,13 +162,17 @@ def test_a_client_leaving_while_sending_its_body_is_quiet(server: ServerProcess)
 def test_an_exception_in_a_handler_never_resets_the_connection() -> None:
     """Starlette answers an unhandled exception with a 500 and re-raises it; without ErrorGuard uvicorn
     would then close the connection under the client's next request."""
+
     def boom(request):
         raise RuntimeError("handler bug")
 
     app = ErrorGuard(Starlette(routes=[Route("/boom", boom)]))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical",
-                                           http=http_protocol(10.0)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="critical", http=http_protocol(10.0)
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:

@@ -19,7 +19,9 @@ class RecordingRunner:
     def __init__(self) -> None:
         self.loop: EngineLoop | None = None
         self.engine: LLMEngine | None = None
-        self.checks: list[tuple[dict, dict, float]] = []  # (published load, the engine's load now, age)
+        self.checks: list[
+            tuple[dict, dict, float]
+        ] = []  # (published load, the engine's load now, age)
 
     def execute(self, batch) -> dict[int, int]:
         snap = self.loop.snapshot()
@@ -30,8 +32,13 @@ class RecordingRunner:
 
 def test_snapshot_is_the_state_as_each_step_starts():
     runner = RecordingRunner()
-    config = EngineConfig.from_kwargs(kv_cache_memory="64MiB", max_model_len=4096, enable_prefix_caching=False, policy="fcfs",
-                                      max_num_batched_tokens=256)
+    config = EngineConfig.from_kwargs(
+        kv_cache_memory="64MiB",
+        max_model_len=4096,
+        enable_prefix_caching=False,
+        policy="fcfs",
+        max_num_batched_tokens=256,
+    )
     engine = LLMEngine(config, runner=runner, cost=CostModel(g1=1e-4, g2=0.0))
     loop = EngineLoop(engine, snapshot_interval=0.0)
     runner.loop, runner.engine = loop, engine
@@ -41,9 +48,20 @@ def test_snapshot_is_the_state_as_each_step_starts():
         sink = OutputSink(asyncio.get_running_loop(), queue)
         loop.start()
         finished = 0
-        for i in range(6):  # arrivals while earlier requests prefill (in 256-token chunks) and decode
-            loop.submit([Submission(f"r{i}", [7] * (100 + 300 * i), SamplingParams(max_tokens=3, ignore_eos=True),
-                                    engine.clock(), sink)])
+        for i in range(
+            6
+        ):  # arrivals while earlier requests prefill (in 256-token chunks) and decode
+            loop.submit(
+                [
+                    Submission(
+                        f"r{i}",
+                        [7] * (100 + 300 * i),
+                        SamplingParams(max_tokens=3, ignore_eos=True),
+                        engine.clock(),
+                        sink,
+                    )
+                ]
+            )
             await asyncio.sleep(0.004)
         while finished < 6:
             _, out = await asyncio.wait_for(queue.get(), 10)
@@ -59,7 +77,9 @@ def test_snapshot_is_the_state_as_each_step_starts():
         assert published["num_requests"] == now["num_requests"]
         assert 0 <= age < 1.0
     final = loop.snapshot().load
-    assert final["num_requests"] == 0 and sum(final["backlog_s"].values()) == 0  # published on going idle
+    assert (
+        final["num_requests"] == 0 and sum(final["backlog_s"].values()) == 0
+    )  # published on going idle
 
 
 class TokenRunner:
@@ -83,7 +103,10 @@ def test_choices_wait_for_the_first_to_share_its_prefill():
         sink = lambda i: OutputSink(asyncio.get_running_loop(), queue, i)  # noqa: E731
         loop.start()
         subs = [Submission("c-0", prompt, params, engine.clock(), sink(0))]
-        subs += [Submission(f"c-{i}", prompt, params, engine.clock(), sink(i), after="c-0") for i in (1, 2, 3)]
+        subs += [
+            Submission(f"c-{i}", prompt, params, engine.clock(), sink(i), after="c-0")
+            for i in (1, 2, 3)
+        ]
         loop.submit(subs)
         loop.abort("c-3")  # taken in with the submissions: c-3 is held, so it is just dropped
         first_tokens: dict[str, float] = {}
@@ -101,4 +124,8 @@ def test_choices_wait_for_the_first_to_share_its_prefill():
     assert first_tokens["c-1"] > first_tokens["c-0"] and first_tokens["c-2"] > first_tokens["c-0"]
     # 100 prompt tokens: 6 full blocks of 16 are shared with each later choice.
     assert engine.allocator.num_cache_hits == 2 * 96
-    assert engine.allocator.num_used_blocks == 0 and engine.num_waiting == 0 and not engine.has_unfinished()
+    assert (
+        engine.allocator.num_used_blocks == 0
+        and engine.num_waiting == 0
+        and not engine.has_unfinished()
+    )

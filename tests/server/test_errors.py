@@ -32,18 +32,53 @@ CASES = [
     ("token id too large", "/v1/completions", {"prompt": [1, 2, VOCAB]}, 400),
     ("negative token id", "/v1/completions", {"prompt": [1, -1, 2]}, 400),
     ("prompt longer than the model", "/v1/completions", {"prompt": [7] * MAX_MODEL_LEN}, 413),
-    ("prompt plus max_tokens too long", "/v1/completions", {"prompt": [7] * 2000, "max_tokens": 100}, 400),
+    (
+        "prompt plus max_tokens too long",
+        "/v1/completions",
+        {"prompt": [7] * 2000, "max_tokens": 100},
+        400,
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-7", "prompt": "hi"}, 404),
-    ("presence_penalty too large", "/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, 400),
-    ("frequency_penalty too small", "/v1/completions", {"prompt": "hi", "frequency_penalty": -2.5}, 400),
+    (
+        "presence_penalty too large",
+        "/v1/completions",
+        {"prompt": "hi", "presence_penalty": 2.5},
+        400,
+    ),
+    (
+        "frequency_penalty too small",
+        "/v1/completions",
+        {"prompt": "hi", "frequency_penalty": -2.5},
+        400,
+    ),
     ("repetition_penalty zero", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400),
     ("min_p above one", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400),
-    ("min_tokens above max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400),
-    ("logit_bias key not a token id", "/v1/completions", {"prompt": "hi", "logit_bias": {"a": 1}}, 400),
+    (
+        "min_tokens above max_tokens",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+        400,
+    ),
+    (
+        "logit_bias key not a token id",
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {"a": 1}},
+        400,
+    ),
     ("logit_bias too large", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 150}}, 400),
-    ("logit_bias outside the vocabulary", "/v1/completions", {"prompt": "hi", "logit_bias": {str(VOCAB): 1}}, 400),
+    (
+        "logit_bias outside the vocabulary",
+        "/v1/completions",
+        {"prompt": "hi", "logit_bias": {str(VOCAB): 1}},
+        400,
+    ),
     ("logit_bias wrong type", "/v1/completions", {"prompt": "hi", "logit_bias": [1, 2]}, 422),
-    ("presence_penalty wrong type", "/v1/completions", {"prompt": "hi", "presence_penalty": "high"}, 422),
+    (
+        "presence_penalty wrong type",
+        "/v1/completions",
+        {"prompt": "hi", "presence_penalty": "high"},
+        422,
+    ),
     ("n zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400),
     ("n too large", "/v1/completions", {"prompt": "hi", "n": 500}, 400),
     ("best_of above n", "/v1/completions", {"prompt": "hi", "n": 1, "best_of": 3}, 400),
@@ -51,34 +86,83 @@ CASES = [
     ("logprobs wrong type", "/v1/completions", {"prompt": "hi", "logprobs": "all"}, 422),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400),
     ("echo wrong type", "/v1/completions", {"prompt": "hi", "echo": "yes"}, 422),
-    ("chat top_logprobs without logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
-    ("chat top_logprobs too many", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50}, 400),
-    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {}}, 400),
-    ("continuous_usage_stats wrong type", "/v1/completions",
-     {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, 422),
-    ("response_format not an object", "/v1/completions", {"prompt": "hi", "response_format": "json"}, 422),
-    ("chat tools not an array", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}}, 422),
+    (
+        "chat top_logprobs without logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+    ),
+    (
+        "chat top_logprobs too many",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 50},
+        400,
+    ),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"prompt": "hi", "stream_options": {}},
+        400,
+    ),
+    (
+        "continuous_usage_stats wrong type",
+        "/v1/completions",
+        {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+        422,
+    ),
+    (
+        "response_format not an object",
+        "/v1/completions",
+        {"prompt": "hi", "response_format": "json"},
+        422,
+    ),
+    (
+        "chat tools not an array",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": {"type": "function"}},
+        422,
+    ),
     ("missing messages", "/v1/chat/completions", {"max_tokens": 3}, 422),
     ("messages not a list", "/v1/chat/completions", {"messages": "hi"}, 422),
     ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 422),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400),
-    ("role the template rejects", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400),
-    ("chat unknown model", "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}]},
-     404),
-    ("chat n negative", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": -3}, 400),
-    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 3000}]}, 413),
+    (
+        "role the template rejects",
+        "/v1/chat/completions",
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        400,
+    ),
+    (
+        "chat unknown model",
+        "/v1/chat/completions",
+        {"model": "x", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+    ),
+    (
+        "chat n negative",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "n": -3},
+        400,
+    ),
+    (
+        "chat too long",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello " * 3000}]},
+        413,
+    ),
     ("tokenize neither field", "/tokenize", {}, 422),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
 ]
 
 
 @pytest.mark.parametrize("name,path,body,status", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gets_an_openai_error(server, name: str, path: str, body: object, status: int) -> None:
+def test_bad_input_gets_an_openai_error(
+    server, name: str, path: str, body: object, status: int
+) -> None:
     if isinstance(body, bytes):
-        resp = httpx.post(f"{server.url}{path}", content=body, headers={"content-type": "application/json"})
+        resp = httpx.post(
+            f"{server.url}{path}", content=body, headers={"content-type": "application/json"}
+        )
     else:
         resp = httpx.post(f"{server.url}{path}", json=body)
     assert resp.status_code == status, resp.text
@@ -105,7 +189,10 @@ def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
     assert info.value.status_code == 413
 
 
-TOOL = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
+}
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
 # (endpoint, fields of a request that asks for a feature plaserve lacks, the param its 400 names)
 REFUSED = [
@@ -113,21 +200,39 @@ REFUSED = [
     ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
     ("chat", {"functions": [TOOL["function"]]}, "functions"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
-    ("chat", {"tools": [], "tool_choice": {"type": "function", "function": {"name": "now"}}}, "tool_choice"),
+    (
+        "chat",
+        {"tools": [], "tool_choice": {"type": "function", "function": {"name": "now"}}},
+        "tool_choice",
+    ),
     ("chat", {"function_call": "auto"}, "function_call"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"response_format": JSON_SCHEMA}, "response_format"),
-    ("completions", {"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),
+    (
+        "completions",
+        {"extra_body": {"response_format": {"type": "json_object"}}},
+        "response_format",
+    ),
     ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
     ("completions", {"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
     ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
-    ("chat", {"extra_body": {"guided_grammar": "root ::= \"a\""}}, "guided_grammar"),
-    ("chat", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "structured_outputs"),
+    ("chat", {"extra_body": {"guided_grammar": 'root ::= "a"'}}, "guided_grammar"),
+    (
+        "chat",
+        {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}},
+        "structured_outputs",
+    ),
 ]
 # Fields with values that ask for nothing, so plain generation answers them.
 ACCEPTED = [
     ("chat", {"tools": [], "tool_choice": "none"}),
-    ("chat", {"response_format": {"type": "text"}, "extra_body": {"guided_json": None, "function_call": "none"}}),
+    (
+        "chat",
+        {
+            "response_format": {"type": "text"},
+            "extra_body": {"guided_json": None, "function_call": "none"},
+        },
+    ),
     ("completions", {"extra_body": {"response_format": {"type": "text"}, "guided_choice": None}}),
 ]
 
@@ -136,22 +241,33 @@ def _create(client: openai.OpenAI, endpoint: str, **fields: object) -> object:
     """A one-token request to ``endpoint`` ("chat" or "completions") with ``fields`` added."""
     model = client.models.list().data[0].id
     if endpoint == "chat":
-        return client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=1, **fields)
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1, **fields
+        )
     return client.completions.create(model=model, prompt="hi", max_tokens=1, **fields)
 
 
-@pytest.mark.parametrize("endpoint,fields,param", REFUSED, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(REFUSED)])
-def test_unsupported_features_are_refused(client: openai.OpenAI, endpoint: str, fields: dict, param: str) -> None:
+@pytest.mark.parametrize(
+    "endpoint,fields,param", REFUSED, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(REFUSED)]
+)
+def test_unsupported_features_are_refused(
+    client: openai.OpenAI, endpoint: str, fields: dict, param: str
+) -> None:
     """Tool calling and guided decoding get a 400 naming the field, not an answer that ignores it."""
     with pytest.raises(openai.BadRequestError) as info:
         _create(client, endpoint, **fields)
     assert info.value.param == param and "not supported" in info.value.message
-    assert _create(client, endpoint).choices[0].finish_reason is not None  # and the server goes on serving
+    assert (
+        _create(client, endpoint).choices[0].finish_reason is not None
+    )  # and the server goes on serving
 
 
-@pytest.mark.parametrize("endpoint,fields", ACCEPTED, ids=[f"{e}-{i}" for i, (e, _) in enumerate(ACCEPTED)])
-def test_fields_that_ask_for_nothing_are_accepted(client: openai.OpenAI, endpoint: str, fields: dict) -> None:
+@pytest.mark.parametrize(
+    "endpoint,fields", ACCEPTED, ids=[f"{e}-{i}" for i, (e, _) in enumerate(ACCEPTED)]
+)
+def test_fields_that_ask_for_nothing_are_accepted(
+    client: openai.OpenAI, endpoint: str, fields: dict
+) -> None:
     assert _create(client, endpoint, **fields).choices[0].finish_reason is not None
 
 
@@ -161,9 +277,15 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, client: openai.Ope
     result: dict[str, object] = {}
 
     def stream() -> None:
-        chunks = client.completions.create(model=model, prompt="Once upon a time", max_tokens=400, temperature=0.0,
-                                           stream=True, stream_options={"include_usage": True},
-                                           extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model=model,
+            prompt="Once upon a time",
+            max_tokens=400,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         parts = [(c.choices[0].text if c.choices else "", c.usage) for c in chunks]
         result["text"] = "".join(p for p, _ in parts)
         result["usage"] = parts[-1][1]
@@ -171,13 +293,21 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, client: openai.Ope
     thread = threading.Thread(target=stream)
     thread.start()
     for _, path, body, status in CASES:
-        kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {
-            "json": body}
+        kw = (
+            {"content": body, "headers": {"content-type": "application/json"}}
+            if isinstance(body, bytes)
+            else {"json": body}
+        )
         assert httpx.post(f"{server.url}{path}", **kw).status_code == status
     thread.join(60)
     assert not thread.is_alive()
     assert result["usage"].completion_tokens == 400
-    whole = client.completions.create(model=model, prompt="Once upon a time", max_tokens=400, temperature=0.0,
-                                      extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        model=model,
+        prompt="Once upon a time",
+        max_tokens=400,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
     assert result["text"] == whole.choices[0].text
     assert httpx.get(f"{server.url}/health").status_code == 200

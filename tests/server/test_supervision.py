@@ -19,10 +19,10 @@ import pytest
 import uvicorn
 
 from plaserve import EngineConfig, LLMEngine
+from plaserve.launcher import free_port
 from plaserve.server.app import build_app
 from plaserve.server.connections import http_protocol
 from plaserve.server.engine_loop import EngineLoop
-from plaserve.launcher import free_port
 
 from .test_faults import wait_idle
 
@@ -48,8 +48,9 @@ class FailingRunner:
 @contextmanager
 def live_server(loop: EngineLoop) -> Iterator[str]:
     port = free_port()
-    config = uvicorn.Config(build_app(loop), host="127.0.0.1", port=port, log_level="warning",
-                            http=http_protocol(10.0))
+    config = uvicorn.Config(
+        build_app(loop), host="127.0.0.1", port=port, log_level="warning", http=http_protocol(10.0)
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -72,13 +73,25 @@ def live_server(loop: EngineLoop) -> Iterator[str]:
 
 @pytest.fixture
 def engine(qwen2_ckpt: str) -> LLMEngine:
-    return LLMEngine(EngineConfig.from_kwargs(model=qwen2_ckpt, kv_cache_memory="16MiB", max_model_len=512,
-                                              policy="fcfs", max_num_batched_tokens=64))
+    return LLMEngine(
+        EngineConfig.from_kwargs(
+            model=qwen2_ckpt,
+            kv_cache_memory="16MiB",
+            max_model_len=512,
+            policy="fcfs",
+            max_num_batched_tokens=64,
+        )
+    )
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt_len: int) -> str:
     """'ok' (all 20 tokens, [DONE]), 'error_event' (an error event, [DONE]) or 'http_<status>'."""
-    body = {"prompt": list(range(3, 3 + prompt_len)), "max_tokens": 20, "ignore_eos": True, "stream": True}
+    body = {
+        "prompt": list(range(3, 3 + prompt_len)),
+        "max_tokens": 20,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             await resp.aread()
@@ -98,15 +111,20 @@ async def stream(client: httpx.AsyncClient, url: str, prompt_len: int) -> str:
         return "error_event" if error else ("ok" if tokens >= 1 else "empty")
 
 
-def test_a_failed_step_fails_its_requests_cleanly_frees_kv_and_the_engine_restarts(engine: LLMEngine) -> None:
+def test_a_failed_step_fails_its_requests_cleanly_frees_kv_and_the_engine_restarts(
+    engine: LLMEngine,
+) -> None:
     # Step 6 raises: by then the prompts (160 tokens in 64-token chunks) are part-way through prefill
     # or decoding, and every request holds KV blocks.
     engine.runner = FailingRunner(engine.runner, fail_at={6})
     loop = EngineLoop(engine)
     with live_server(loop) as url:
+
         async def burst() -> list[str]:
             async with httpx.AsyncClient(timeout=60) as client:
-                return await asyncio.gather(*(stream(client, url, 40 + 40 * (i % 3)) for i in range(6)))
+                return await asyncio.gather(
+                    *(stream(client, url, 40 + 40 * (i % 3)) for i in range(6))
+                )
 
         outcomes = asyncio.run(burst())
         assert set(outcomes) <= {"ok", "error_event", "http_503"}, outcomes
@@ -115,7 +133,9 @@ def test_a_failed_step_fails_its_requests_cleanly_frees_kv_and_the_engine_restar
         assert httpx.get(f"{url}/health").status_code == 200
         wait_idle(url)  # every block freed
         # The restarted engine serves as before.
-        again = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True})
+        again = httpx.post(
+            f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+        )
         assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
         metrics = httpx.get(f"{url}/metrics").text
         assert "plaserve_engine_restarts_total 1.0" in metrics
@@ -136,7 +156,10 @@ def test_faults_that_keep_coming_make_the_loop_give_up_and_call_on_fatal(engine:
         assert len(fatal) == 1 and "injected failure" in repr(fatal[0])
         assert loop.restarts == 2
         assert httpx.get(f"{url}/health").status_code == 503  # the truth: it will not serve again
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 503
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code
+            == 503
+        )
 
 
 def test_health_is_503_while_the_engine_restarts(engine: LLMEngine) -> None:
@@ -153,12 +176,18 @@ def test_health_is_503_while_the_engine_restarts(engine: LLMEngine) -> None:
     engine.reset = slow_reset  # type: ignore[method-assign]
     loop = EngineLoop(engine)
     with live_server(loop) as url:
-        first = threading.Thread(target=httpx.post, args=(f"{url}/v1/completions",),
-                                 kwargs={"json": {"prompt": [5, 6], "max_tokens": 2}, "timeout": 30})
+        first = threading.Thread(
+            target=httpx.post,
+            args=(f"{url}/v1/completions",),
+            kwargs={"json": {"prompt": [5, 6], "max_tokens": 2}, "timeout": 30},
+        )
         first.start()
         assert in_reset.wait(10)
         assert httpx.get(f"{url}/health").status_code == 503
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code == 503
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"prompt": [5], "max_tokens": 1}).status_code
+            == 503
+        )
         release.set()
         first.join(30)
         deadline = time.monotonic() + 10

@@ -7,15 +7,15 @@ import os
 
 import pytest
 
-from plaserve.workload.trace import synthetic_bimodal
 from plaserve.cli import main
+from plaserve.cost import MODELS
 from plaserve.profile import Profile
 from plaserve.router.config import RouterConfig
 from plaserve.sim.cli import parse_values
 from plaserve.sim.cluster import ClusterConfig
-from plaserve.cost import MODELS
 from plaserve.sim.profiles import analytic_profile, kv_capacity_tokens, load_sim_profile
 from plaserve.sim.sweep import at_rate, capacity, mean_rate
+from plaserve.workload.trace import synthetic_bimodal
 
 TRACE = "/work/shared/traces/azure_code_2023.csv"
 
@@ -25,16 +25,26 @@ def test_analytic_profile_is_labelled_and_sized_from_memory():
     assert p.analytic and p.label == "analytic:qwen2.5-32b@H100"
     assert p.cost.source.startswith("analytic:")
     # 32B weights (65 GB in bf16) leave far less KV room on an 80 GiB H100 than on a 141 GB H200.
-    h100, h200 = kv_capacity_tokens("qwen2.5-32b", "H100"), kv_capacity_tokens("qwen2.5-32b", "H200")
+    h100, h200 = (
+        kv_capacity_tokens("qwen2.5-32b", "H100"),
+        kv_capacity_tokens("qwen2.5-32b", "H200"),
+    )
     assert 16384 < h100 < h200 / 3
     per_token = MODELS["qwen2.5-32b"].kv_bytes_per_token * 2
-    assert h100 * per_token == pytest.approx(0.9 * 80 * 2**30 - MODELS["qwen2.5-32b"].num_params * 2, rel=1e-4)
+    assert h100 * per_token == pytest.approx(
+        0.9 * 80 * 2**30 - MODELS["qwen2.5-32b"].num_params * 2, rel=1e-4
+    )
     # The engine it configures holds that many tokens.
     from plaserve import LLMEngine
     from plaserve.sim.runner import CostRunner, SimClock
+
     clock = SimClock()
-    engine = LLMEngine(p.engine_config("pla"), runner=CostRunner(p.cost, clock), cost=p.cost, clock=clock)
-    assert (engine.allocator.num_blocks - 1) * engine.allocator.block_size == pytest.approx(h100, abs=32)
+    engine = LLMEngine(
+        p.engine_config("pla"), runner=CostRunner(p.cost, clock), cost=p.cost, clock=clock
+    )
+    assert (engine.allocator.num_blocks - 1) * engine.allocator.block_size == pytest.approx(
+        h100, abs=32
+    )
     assert engine.config.scheduler.static_short_batches  # CUDA-graph padding, as on a GPU
     assert p.with_short_threshold(512).profile.short_threshold == 512
 
@@ -66,8 +76,9 @@ def test_parse_values():
 
 
 def test_capacity_brackets_the_target():
-    requests = synthetic_bimodal(200, 10.0, seed=4, short=(16, 400), long=(1000, 4000), long_share=0.2,
-                                 output=(1, 16))
+    requests = synthetic_bimodal(
+        200, 10.0, seed=4, short=(16, 400), long=(1000, 4000), long_share=0.2, output=(1, 16)
+    )
     assert mean_rate(at_rate(requests, 40.0)[0]) == pytest.approx(40.0)
     profile = analytic_profile("qwen2.5-7b", "H100").with_short_threshold(512)
     config = ClusterConfig(instances=1, router=RouterConfig(policy="round_robin"), drain_s=60.0)
@@ -79,13 +90,35 @@ def test_capacity_brackets_the_target():
     assert found.capacity == max(p.rate for p in passing)
     assert failing and min(p.rate for p in failing) > found.capacity
     # Bisection ran between the grid points that straddle the target.
-    assert len(found.points) == len([r for r in (5, 20, 80, 320) if r <= min(p.rate for p in failing)]) + 2
+    assert (
+        len(found.points)
+        == len([r for r in (5, 20, 80, 320) if r <= min(p.rate for p in failing)]) + 2
+    )
 
 
 def test_simulate_command_writes_bench_outputs(tmp_path, capsys):
     out = str(tmp_path / "out")
-    code = main(["simulate", "--trace", TRACE, "--num-requests", "120", "--instances", "2", "--router", "pla",
-                 "--scheduler", "pla", "--profile", "analytic:llama3-8b@H200", "--out", out, "--time-scale", "0.5"])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            TRACE,
+            "--num-requests",
+            "120",
+            "--instances",
+            "2",
+            "--router",
+            "pla",
+            "--scheduler",
+            "pla",
+            "--profile",
+            "analytic:llama3-8b@H200",
+            "--out",
+            out,
+            "--time-scale",
+            "0.5",
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "ANALYTIC" in text and "load skew" in text and "TTFT p50" in text
@@ -93,14 +126,40 @@ def test_simulate_command_writes_bench_outputs(tmp_path, capsys):
     assert summary["all"]["count"] == 120 and len(summary["instances"]) == 2
     assert summary["simulation"]["analytic"] is True
     assert sum(i["requests"] for i in summary["instances"]) == 120
-    for name in ("run.json", "requests.jsonl", "ttft_cdf.png", "latency_over_time.png", "instance_busy.png"):
+    for name in (
+        "run.json",
+        "requests.jsonl",
+        "ttft_cdf.png",
+        "latency_over_time.png",
+        "instance_busy.png",
+    ):
         assert os.path.exists(os.path.join(out, name))
 
 
 def test_simulate_command_sweeps_to_a_capacity(tmp_path, capsys):
-    code = main(["simulate", "--trace", TRACE, "--num-requests", "80", "--instances", "1", "--router",
-                 "round_robin", "--scheduler", "fcfs", "--profile", "analytic:qwen2.5-7b@H100", "--rate", "0.1,50",
-                 "--refine", "1", "--out", str(tmp_path)])
+    code = main(
+        [
+            "simulate",
+            "--trace",
+            TRACE,
+            "--num-requests",
+            "80",
+            "--instances",
+            "1",
+            "--router",
+            "round_robin",
+            "--scheduler",
+            "fcfs",
+            "--profile",
+            "analytic:qwen2.5-7b@H100",
+            "--rate",
+            "0.1,50",
+            "--refine",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     text = capsys.readouterr().out
     assert "goodput capacity" in text and "[ANALYTIC profile]" in text
@@ -109,7 +168,32 @@ def test_simulate_command_sweeps_to_a_capacity(tmp_path, capsys):
 
 
 def test_simulate_command_refuses_bad_input(tmp_path, capsys):
-    assert main(["simulate", "--trace", str(tmp_path / "none.csv"), "--profile", "analytic:qwen2.5-7b@H100",
-                 "--out", str(tmp_path)]) == 2
-    assert main(["simulate", "--trace", TRACE, "--profile", "analytic:nope@H100", "--out", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                str(tmp_path / "none.csv"),
+                "--profile",
+                "analytic:qwen2.5-7b@H100",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
+    assert (
+        main(
+            [
+                "simulate",
+                "--trace",
+                TRACE,
+                "--profile",
+                "analytic:nope@H100",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "unknown model" in capsys.readouterr().err

@@ -75,24 +75,34 @@ def fewest_late(jobs: Sequence[Job], time_limit: float = 30.0) -> int:
     arrival = np.array([j.arrival for j in jobs])
     deadline = np.array([j.deadline for j in jobs])
     work = np.array([j.work for j in jobs])
-    possible = work <= deadline - arrival + EPS  # a job that misses even alone is late in every schedule
+    possible = (
+        work <= deadline - arrival + EPS
+    )  # a job that misses even alone is late in every schedule
     always_late = int(n - possible.sum())
     data, cols, starts, room = [], [], [0], []  # the constraint matrix, row by row (CSR)
     for a in np.unique(arrival):
         after = possible & (arrival >= a)
         for b in np.unique(deadline[after]):
             inside = np.flatnonzero(after & (deadline <= b))
-            if work[inside].sum() > b - a + EPS:  # only intervals that could be overfull constrain the choice
+            if (
+                work[inside].sum() > b - a + EPS
+            ):  # only intervals that could be overfull constrain the choice
                 data.append(work[inside])
                 cols.append(inside)
                 starts.append(starts[-1] + len(inside))
                 room.append(b - a + EPS)
     if not room:
         return always_late
-    matrix = csr_array((np.concatenate(data), np.concatenate(cols), np.array(starts)), shape=(len(room), n))
-    res = milp(-np.ones(n), integrality=np.ones(n), bounds=Bounds(0, possible.astype(float)),
-               constraints=LinearConstraint(matrix, -np.inf, np.array(room)),
-               options={"time_limit": time_limit, "mip_rel_gap": 0.0})
+    matrix = csr_array(
+        (np.concatenate(data), np.concatenate(cols), np.array(starts)), shape=(len(room), n)
+    )
+    res = milp(
+        -np.ones(n),
+        integrality=np.ones(n),
+        bounds=Bounds(0, possible.astype(float)),
+        constraints=LinearConstraint(matrix, -np.inf, np.array(room)),
+        options={"time_limit": time_limit, "mip_rel_gap": 0.0},
+    )
     if res.status == 0:
         return n - round(-res.fun)
     dual = getattr(res, "mip_dual_bound", None)  # a bound on -(the largest on-time set)
@@ -130,8 +140,13 @@ def online_late(jobs: Sequence[Job], order: str, short_work: float | None = None
             ready.append(nxt)
             nxt += 1
         given_up = moore_hodgson_late(ready, t, left.__getitem__, lambda k: jobs[k].deadline)
-        k = min(ready, key=lambda k: (short_work is not None and jobs[k].work > short_work,
-                                      *rank(jobs[k], left[k], k in given_up)))
+        k = min(
+            ready,
+            key=lambda k: (
+                short_work is not None and jobs[k].work > short_work,
+                *rank(jobs[k], left[k], k in given_up),
+            ),
+        )
         run = min(left[k], jobs[nxt].arrival - t if nxt < len(jobs) else math.inf)
         t += run
         left[k] -= run
@@ -159,7 +174,9 @@ def max_flow_fifo(jobs: Sequence[Job]) -> float:
     return worst
 
 
-def min_ttft_percentile(jobs: Sequence[Job], q: float, c0: float = 0.0, max_dropped: int = 2) -> float:
+def min_ttft_percentile(
+    jobs: Sequence[Job], q: float, c0: float = 0.0, max_dropped: int = 2
+) -> float:
     """A lower bound on the ``q``-th percentile (numpy's linear interpolation) of TTFT over ``jobs``.
 
     Percentile ``q`` of ``n`` values is at least the value of rank ``r = floor(q/100 * (n-1))``, which
@@ -177,18 +194,28 @@ def min_ttft_percentile(jobs: Sequence[Job], q: float, c0: float = 0.0, max_drop
     if dropped > max_dropped:
         return own
     ordered = sorted(jobs, key=lambda j: j.arrival)
-    best = min(max_flow_fifo([j for i, j in enumerate(ordered) if i not in out])
-               for out in itertools.combinations(range(n), dropped))
+    best = min(
+        max_flow_fifo([j for i, j in enumerate(ordered) if i not in out])
+        for out in itertools.combinations(range(n), dropped)
+    )
     return max(best, own)
 
 
-def slice_bounds(arrivals: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int) -> dict:
+def slice_bounds(
+    arrivals: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int
+) -> dict:
     """The policy benchmark's bounds for one slice of ``(arrival, prompt_tokens)``: the fewest SLO
     violations (count and rate), and the least short-request TTFT p50 and p99 (ms) of any scheduler."""
     jobs = jobs_for(arrivals, cost, slo_of)
     shorts = jobs_for([a for a in arrivals if a[1] < short_threshold], cost, slo_of)
     least = min_slo_violations(jobs)
-    out: dict = {"slo_violations": least, "slo_violation_rate": least / len(jobs), "short_ttft_ms": {}}
+    out: dict = {
+        "slo_violations": least,
+        "slo_violation_rate": least / len(jobs),
+        "short_ttft_ms": {},
+    }
     if shorts:
-        out["short_ttft_ms"] = {f"p{q}": 1000 * min_ttft_percentile(shorts, q, cost.c0) for q in (50, 99)}
+        out["short_ttft_ms"] = {
+            f"p{q}": 1000 * min_ttft_percentile(shorts, q, cost.c0) for q in (50, 99)
+        }
     return out

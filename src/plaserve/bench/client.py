@@ -33,7 +33,10 @@ class ClientConfig:
     api_key: str | None = None
     short_threshold: int = 512  # prompts shorter than this are "short"
     request_timeout: float = 600.0
-    token_id_range: tuple[int, int] = (10, 500)  # ids valid in every tokenizer (and the embedded model)
+    token_id_range: tuple[int, int] = (
+        10,
+        500,
+    )  # ids valid in every tokenizer (and the embedded model)
     seed: int = 0
 
 
@@ -59,7 +62,9 @@ def _headers(cfg: ClientConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
 
-async def discover(client: httpx.AsyncClient, cfg: ClientConfig) -> tuple[str, int | None, dict | None]:
+async def discover(
+    client: httpx.AsyncClient, cfg: ClientConfig
+) -> tuple[str, int | None, dict | None]:
     """The model to use, the server's context length (if it says) and its cost model (plaserve only)."""
     resp = await client.get(f"{cfg.url}/v1/models", headers=_headers(cfg))
     resp.raise_for_status()
@@ -87,20 +92,42 @@ def _error_message(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
-async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req: TraceRequest, index: int,
-                   start: float, slo: TtftSlo) -> RequestRecord:
+async def send_one(
+    client: httpx.AsyncClient,
+    cfg: ClientConfig,
+    model: str,
+    req: TraceRequest,
+    index: int,
+    start: float,
+    slo: TtftSlo,
+) -> RequestRecord:
     """Wait for ``req``'s arrival, stream it, and record its timings."""
     await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
-    record = RequestRecord(length_class="short" if req.prompt_tokens < cfg.short_threshold else "long",
-                           prompt_tokens=req.prompt_tokens, output_tokens=0, arrival=req.arrival, ttft=None,
-                           e2e=None, tbts=[], slo_ttft=slo.for_prompt(req.prompt_tokens))
-    body: dict[str, Any] = {"model": model, "prompt": prompt_token_ids(req.prompt_tokens, index, cfg),
-                            "max_tokens": req.output_tokens, "temperature": 0.0, "ignore_eos": True,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    record = RequestRecord(
+        length_class="short" if req.prompt_tokens < cfg.short_threshold else "long",
+        prompt_tokens=req.prompt_tokens,
+        output_tokens=0,
+        arrival=req.arrival,
+        ttft=None,
+        e2e=None,
+        tbts=[],
+        slo_ttft=slo.for_prompt(req.prompt_tokens),
+    )
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt_token_ids(req.prompt_tokens, index, cfg),
+        "max_tokens": req.output_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     last, chunks, usage = None, 0, None
     try:
-        async with client.stream("POST", f"{cfg.url}/v1/completions", json=body, headers=_headers(cfg)) as resp:
+        async with client.stream(
+            "POST", f"{cfg.url}/v1/completions", json=body, headers=_headers(cfg)
+        ) as resp:
             if resp.status_code != 200:
                 record.error = _error_message(resp.status_code, await resp.aread())
                 return record
@@ -133,7 +160,9 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
     return record
 
 
-async def run_requests(requests: list[TraceRequest], cfg: ClientConfig, slo: TtftSlo) -> BenchResult:
+async def run_requests(
+    requests: list[TraceRequest], cfg: ClientConfig, slo: TtftSlo
+) -> BenchResult:
     """Replay ``requests`` (fitted to the server's context length) and collect their records.
 
     ``slo`` gives the factor, floor and fixed fallbacks; the server's cost model is filled in when it
@@ -147,6 +176,8 @@ async def run_requests(requests: list[TraceRequest], cfg: ClientConfig, slo: Ttf
         slo = replace(slo, cost=cost, short_threshold=cfg.short_threshold)
         fitted = [fit_to_context(r, max_len) for r in requests]
         start = time.perf_counter()
-        records = await asyncio.gather(*(send_one(client, cfg, model, r, i, start, slo) for i, r in enumerate(fitted)))
+        records = await asyncio.gather(
+            *(send_one(client, cfg, model, r, i, start, slo) for i, r in enumerate(fitted))
+        )
         duration = time.perf_counter() - start
     return BenchResult(list(records), duration, model, slo, max_len)

@@ -17,21 +17,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plaserve.workload.report import RequestRecord
-from plaserve.workload.trace import TraceRequest
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
-from plaserve.request import Request, SamplingParams
 from plaserve.model.loader import LoadedModel
+from plaserve.request import Request, SamplingParams
 from plaserve.sim.replay import random_prompt
 from plaserve.slo import SloRule  # the scheduler's rule (the benchmarks import it from here)
+from plaserve.workload.report import RequestRecord
+from plaserve.workload.trace import TraceRequest
 
 log = logging.getLogger(__name__)
 
 
-def fit_cost_model(engine: LLMEngine, lengths: Sequence[int] = (32, 128, 512, 1024, 2048), repeats: int = 3,
-                   seed: int = 0) -> CostModel:
+def fit_cost_model(
+    engine: LLMEngine,
+    lengths: Sequence[int] = (32, 128, 512, 1024, 2048),
+    repeats: int = 3,
+    seed: int = 0,
+) -> CostModel:
     """Measure isolated prefill times on ``engine`` and fit ``c0 + g1*L + g2*L^2/2`` by least squares.
 
     (The calibration command does this thoroughly; the benchmark needs a quick, honest estimate to set
@@ -42,7 +46,9 @@ def fit_cost_model(engine: LLMEngine, lengths: Sequence[int] = (32, 128, 512, 10
     best: dict[int, float] = {}
     for rep in range(repeats + 1):  # the first pass only warms up
         for n in lengths:
-            req = engine.add_request(random_prompt(n, vocab, gen), SamplingParams(max_tokens=1, temperature=0))
+            req = engine.add_request(
+                random_prompt(n, vocab, gen), SamplingParams(max_tokens=1, temperature=0)
+            )
             while not req.finished:
                 engine.step()
                 if engine.last_batch is None:
@@ -70,8 +76,15 @@ class PolicyRun:
         return self.busy_s / self.wall_s if self.wall_s else 0.0
 
 
-def run_policy(loaded: LoadedModel, config: EngineConfig, cost: CostModel, arrivals: Sequence[TraceRequest],
-               *, seed: int = 0, deadline_s: float | None = None) -> PolicyRun:
+def run_policy(
+    loaded: LoadedModel,
+    config: EngineConfig,
+    cost: CostModel,
+    arrivals: Sequence[TraceRequest],
+    *,
+    seed: int = 0,
+    deadline_s: float | None = None,
+) -> PolicyRun:
     """Replay ``arrivals`` on the wall clock into a fresh engine; stops at ``deadline_s`` if given."""
     engine = LLMEngine(config, loaded=loaded, cost=cost)
     gen = torch.Generator().manual_seed(seed)
@@ -95,8 +108,11 @@ def run_policy(loaded: LoadedModel, config: EngineConfig, cost: CostModel, arriv
         if engine.last_batch is not None:
             busy += engine.clock() - s
             continue
-        wake = [t for t in (engine.next_wakeup(), t0 + arrivals[i].arrival if i < len(arrivals) else None)
-                if t is not None]
+        wake = [
+            t
+            for t in (engine.next_wakeup(), t0 + arrivals[i].arrival if i < len(arrivals) else None)
+            if t is not None
+        ]
         if wake:
             time.sleep(max(0.0, min(wake) - engine.clock()))
     wall = engine.clock() - t0
@@ -117,11 +133,20 @@ def to_record(req: Request, slo: SloRule, cost: CostModel) -> RequestRecord:
     ttft = None if m.first_token_time is None else m.first_token_time - m.arrival_time
     e2e = None if m.finish_time is None or not req.finished else m.finish_time - m.arrival_time
     gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
-    return RequestRecord(length_class=req.length_class, prompt_tokens=req.num_prompt_tokens,
-                         output_tokens=len(req.output_token_ids), arrival=m.arrival_time, ttft=ttft, e2e=e2e,
-                         tbts=gaps, slo_ttft=slo.ttft(cost, req.num_prompt_tokens),
-                         error=None if req.finished else "unfinished at the end of the run")
+    return RequestRecord(
+        length_class=req.length_class,
+        prompt_tokens=req.num_prompt_tokens,
+        output_tokens=len(req.output_token_ids),
+        arrival=m.arrival_time,
+        ttft=ttft,
+        e2e=e2e,
+        tbts=gaps,
+        slo_ttft=slo.ttft(cost, req.num_prompt_tokens),
+        error=None if req.finished else "unfinished at the end of the run",
+    )
 
 
 def with_policy(config: EngineConfig, policy: str) -> EngineConfig:
-    return dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, policy=policy))
+    return dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, policy=policy)
+    )

@@ -12,15 +12,22 @@ import logging
 import os
 from dataclasses import dataclass
 
-from plaserve.plotting import pyplot
 from plaserve.bench.bounds import slice_bounds
-from plaserve.bench.offline import PolicyRun, SloRule, fit_cost_model, run_policy, to_record, with_policy
-from plaserve.workload.report import RequestRecord, format_table, summarize
-from plaserve.workload.trace import TraceRequest, load_trace
+from plaserve.bench.offline import (
+    PolicyRun,
+    SloRule,
+    fit_cost_model,
+    run_policy,
+    to_record,
+    with_policy,
+)
 from plaserve.config import EngineConfig, SchedulerConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
 from plaserve.model.loader import load_model, resolve_device, resolve_dtype
+from plaserve.plotting import pyplot
+from plaserve.workload.report import RequestRecord, format_table, summarize
+from plaserve.workload.trace import TraceRequest, load_trace
 
 TRACE_DIR_CANDIDATES = ("../shared/traces", "../../shared/traces", "/work/shared/traces")
 POLICIES = ("fcfs", "spf", "pla")
@@ -49,13 +56,26 @@ class Slice:
     load: float  # predicted prefill work / arrival window; the conversation trace's long outputs add decode work
 
 
-def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, seconds: float,
-                 max_prompt: int = 4000, max_output: int = 64) -> tuple[list[TraceRequest], float]:
+def scaled_slice(
+    s: Slice,
+    cost: CostModel,
+    length_scale: float,
+    load: float,
+    seconds: float,
+    max_prompt: int = 4000,
+    max_output: int = 64,
+) -> tuple[list[TraceRequest], float]:
     """The first rows of the slice whose predicted prefill work fills ``load`` of ``seconds``, lengths
     scaled (then capped at the benchmark's ``max_prompt`` and ``max_output``), arrivals rescaled so the
     run lasts ``seconds``. Returns the requests and the time scale."""
-    reqs = load_trace(find_trace(s.file), start=s.start, limit=s.count, length_scale=length_scale,
-                      max_prompt_tokens=max_prompt, max_output_tokens=max_output)
+    reqs = load_trace(
+        find_trace(s.file),
+        start=s.start,
+        limit=s.count,
+        length_scale=length_scale,
+        max_prompt_tokens=max_prompt,
+        max_output_tokens=max_output,
+    )
     work, n = 0.0, 0
     while n < len(reqs) and work < load * seconds:
         work += cost.prefill_time(reqs[n].prompt_tokens)
@@ -63,27 +83,36 @@ def scaled_slice(s: Slice, cost: CostModel, length_scale: float, load: float, se
     reqs = reqs[:n]
     span = reqs[-1].arrival or 1.0
     time_scale = work / load / span
-    return [TraceRequest(r.arrival * time_scale, r.prompt_tokens, r.output_tokens) for r in reqs], time_scale
+    return [
+        TraceRequest(r.arrival * time_scale, r.prompt_tokens, r.output_tokens) for r in reqs
+    ], time_scale
 
 
-def summarize_run(run: PolicyRun, slo: SloRule, cost: CostModel) -> tuple[dict, list[RequestRecord]]:
+def summarize_run(
+    run: PolicyRun, slo: SloRule, cost: CostModel
+) -> tuple[dict, list[RequestRecord]]:
     records = [to_record(r, slo, cost) for r in run.requests]
     return summarize(records, run.wall_s), records
 
 
 def comparison_table(results: dict[str, dict]) -> str:
     """Markdown table: one row per policy with the issue's columns."""
-    head = ("| policy | short TTFT p50 | p90 | p99 | long TTFT p50 | p99 | SLO viol. | out tok/s | goodput req/s |"
-            " util |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| policy | short TTFT p50 | p90 | p99 | long TTFT p50 | p99 | SLO viol. | out tok/s | goodput req/s |"
+        " util |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     rows = [head]
     for pol, r in results.items():
         s, lg, a = r["summary"]["short"], r["summary"]["long"], r["summary"]["all"]
 
         def ms(x):
             return "-" if x is None else f"{x:.0f}"
-        rows.append(f"| {pol} | {ms(s['ttft_ms']['p50'])} | {ms(s['ttft_ms']['p90'])} | {ms(s['ttft_ms']['p99'])} | "
-                    f"{ms(lg['ttft_ms']['p50'])} | {ms(lg['ttft_ms']['p99'])} | {a['slo_violation_rate'] * 100:.1f}% | "
-                    f"{a['output_throughput_tok_s']:.1f} | {a['goodput_req_s']:.2f} | {r['utilization'] * 100:.0f}% |")
+
+        rows.append(
+            f"| {pol} | {ms(s['ttft_ms']['p50'])} | {ms(s['ttft_ms']['p90'])} | {ms(s['ttft_ms']['p99'])} | "
+            f"{ms(lg['ttft_ms']['p50'])} | {ms(lg['ttft_ms']['p99'])} | {a['slo_violation_rate'] * 100:.1f}% | "
+            f"{a['output_throughput_tok_s']:.1f} | {a['goodput_req_s']:.2f} | {r['utilization'] * 100:.0f}% |"
+        )
     return "\n".join(rows)
 
 
@@ -132,6 +161,7 @@ class Check:
 
 def target_checks(results: dict[str, dict], bounds: dict | None = None) -> list[Check]:
     """The issue's targets for pla against fcfs and spf (those whose policies are in ``results``)."""
+
     def ttft(pol, cls, q):
         return results[pol]["summary"][cls]["ttft_ms"][q]
 
@@ -143,20 +173,46 @@ def target_checks(results: dict[str, dict], bounds: dict | None = None) -> list[
 
     out: list[Check] = []
     if "pla" in results and "fcfs" in results:
+
         def violations(pol):
             return results[pol]["summary"]["all"]["slo_violation_rate"]
 
         short_bound = (bounds or {}).get("short_ttft_ms", {})
-        out += [Check("short TTFT p50 vs fcfs", change(ttft("pla", "short", "p50"), ttft("fcfs", "short", "p50")), -0.6,
-                      change(short_bound.get("p50"), ttft("fcfs", "short", "p50"))),
-                Check("short TTFT p99 vs fcfs", change(ttft("pla", "short", "p99"), ttft("fcfs", "short", "p99")), -0.8,
-                      change(short_bound.get("p99"), ttft("fcfs", "short", "p99"))),
-                Check("long TTFT p50 vs fcfs", change(ttft("pla", "long", "p50"), ttft("fcfs", "long", "p50")), 0.1),
-                Check("SLO violations vs fcfs", change(violations("pla"), violations("fcfs")), -0.7,
-                      change((bounds or {}).get("slo_violation_rate"), violations("fcfs")))]
+        out += [
+            Check(
+                "short TTFT p50 vs fcfs",
+                change(ttft("pla", "short", "p50"), ttft("fcfs", "short", "p50")),
+                -0.6,
+                change(short_bound.get("p50"), ttft("fcfs", "short", "p50")),
+            ),
+            Check(
+                "short TTFT p99 vs fcfs",
+                change(ttft("pla", "short", "p99"), ttft("fcfs", "short", "p99")),
+                -0.8,
+                change(short_bound.get("p99"), ttft("fcfs", "short", "p99")),
+            ),
+            Check(
+                "long TTFT p50 vs fcfs",
+                change(ttft("pla", "long", "p50"), ttft("fcfs", "long", "p50")),
+                0.1,
+            ),
+            Check(
+                "SLO violations vs fcfs",
+                change(violations("pla"), violations("fcfs")),
+                -0.7,
+                change((bounds or {}).get("slo_violation_rate"), violations("fcfs")),
+            ),
+        ]
     if "pla" in results and "spf" in results:
-        out += [Check(f"{cls} TTFT p99 / spf", ratio(ttft("pla", cls, "p99"), ttft("spf", cls, "p99")), target, times=True)
-                for cls, target in (("short", 1.2), ("long", 1.0))]
+        out += [
+            Check(
+                f"{cls} TTFT p99 / spf",
+                ratio(ttft("pla", cls, "p99"), ttft("spf", cls, "p99")),
+                target,
+                times=True,
+            )
+            for cls, target in (("short", 1.2), ("long", 1.0))
+        ]
     return out
 
 
@@ -164,8 +220,15 @@ def ratio_lines(results: dict[str, dict], bounds: dict | None = None) -> list[st
     """The issue's targets (:func:`target_checks`) as a markdown table: the measured change or ratio, the
     target and, where ``bounds`` (:func:`slice_bounds`) limit it, the best any scheduler could reach."""
     checks = target_checks(results, bounds)
-    rows = [f"| pla {c.name} | {c.fmt(c.measured)} | {c.target_text} | {c.fmt(c.best)} | {c.verdict} |" for c in checks]
-    return ["| check | measured | target | best possible | |", "|---|---|---|---|---|", *rows] if rows else []
+    rows = [
+        f"| pla {c.name} | {c.fmt(c.measured)} | {c.target_text} | {c.fmt(c.best)} | {c.verdict} |"
+        for c in checks
+    ]
+    return (
+        ["| check | measured | target | best possible | |", "|---|---|---|---|---|", *rows]
+        if rows
+        else []
+    )
 
 
 def bounds_line(bounds: dict) -> str:
@@ -187,16 +250,24 @@ def starvation_run(loaded, config: EngineConfig, cost: CostModel, seconds: float
     arrivals = sorted(stream + [TraceRequest(long_at, long_len, 1)], key=lambda r: r.arrival)
     k = config.scheduler.max_consecutive_short
     chunks = -(-long_len // config.scheduler.long_chunk_size)
-    lines = [f"Starvation check: {len(stream)} shorts of {short_len} tokens at {rate:.0f}/s for {seconds:.0f} s "
-             f"(1.3x the predicted short capacity); one {long_len}-token prompt at t={long_at:.1f} s.",
-             f"pla's bound: {chunks} chunks x (K={k} short batches + 1 chunk) = {chunks * (k + 1)} prefill steps.", "",
-             "| policy | long prompt started | long TTFT | prefill steps before its first token |", "|---|---|---|---|"]
+    lines = [
+        f"Starvation check: {len(stream)} shorts of {short_len} tokens at {rate:.0f}/s for {seconds:.0f} s "
+        f"(1.3x the predicted short capacity); one {long_len}-token prompt at t={long_at:.1f} s.",
+        f"pla's bound: {chunks} chunks x (K={k} short batches + 1 chunk) = {chunks * (k + 1)} prefill steps.",
+        "",
+        "| policy | long prompt started | long TTFT | prefill steps before its first token |",
+        "|---|---|---|---|",
+    ]
     for pol in ("spf", "pla"):
         run = run_policy(loaded, with_policy(config, pol), cost, arrivals, deadline_s=seconds)
         (long,) = [r for r in run.requests if r.num_prompt_tokens == long_len]
         m = long.metrics
         started = "no" if m.first_scheduled_time is None else f"at {m.first_scheduled_time:.1f} s"
-        ttft = "never (run ended)" if m.first_token_time is None else f"{m.first_token_time - m.arrival_time:.1f} s"
+        ttft = (
+            "never (run ended)"
+            if m.first_token_time is None
+            else f"{m.first_token_time - m.arrival_time:.1f} s"
+        )
         steps = "-"
         if m.first_token_time is not None:
             steps = str(_prefill_steps_between(run, m.arrival_time, m.first_token_time))
@@ -206,7 +277,9 @@ def starvation_run(loaded, config: EngineConfig, cost: CostModel, seconds: float
 
 def _prefill_steps_between(run: PolicyRun, t0: float, t1: float) -> int:
     """Distinct prefill steps (by their end time) that finished in ``(t0, t1]`` across all requests."""
-    ends = {round(e, 6) for r in run.requests for _, e, _ in r.metrics.prefill_chunks if t0 < e <= t1}
+    ends = {
+        round(e, 6) for r in run.requests for _, e, _ in r.metrics.prefill_chunks if t0 < e <= t1
+    }
     return len(ends)
 
 
@@ -219,7 +292,9 @@ def plot_cdfs(all_records: dict[str, list[RequestRecord]], title: str, path: str
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, cls in zip(axes, ("short", "long")):
         for pol, recs in all_records.items():
-            v = np.sort([r.ttft * 1000 for r in recs if r.length_class == cls and r.ttft is not None])
+            v = np.sort(
+                [r.ttft * 1000 for r in recs if r.length_class == cls and r.ttft is not None]
+            )
             if len(v):
                 ax.plot(v, np.arange(1, len(v) + 1) / len(v), label=pol)
         ax.set_xscale("log")
@@ -238,17 +313,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="one short slice (~2 min): the demo")
     p.add_argument("--length-scale", type=float, default=0.25)
-    p.add_argument("--load", type=float, default=None,
-                   help="predicted prefill work / arrival window (default: code 0.68, conversation 0.31, "
-                        "which keep fcfs busy near 75 %% of the window on the development machine; the "
-                        "conversation trace's long outputs add much decode work)")
+    p.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="predicted prefill work / arrival window (default: code 0.68, conversation 0.31, "
+        "which keep fcfs busy near 75 %% of the window on the development machine; the "
+        "conversation trace's long outputs add much decode work)",
+    )
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
-    p.add_argument("--seconds", type=float, default=None, help="length of each policy run (default 60, quick 35)")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="length of each policy run (default 60, quick 35)",
+    )
     p.add_argument("--starvation-seconds", type=float, default=30.0)
     p.add_argument("--starvation-only", action="store_true", help="run only the starvation check")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (1 makes timings robust to other processes on a shared machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (1 makes timings robust to other processes on a shared machine)",
+    )
     args = p.parse_args(argv)
     if args.threads:
         import torch
@@ -261,15 +349,22 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, dtype, device)
     import torch
 
-    print(f"model: embedded default (RANDOM WEIGHTS), float32 on {device}, {torch.get_num_threads()} threads")
+    print(
+        f"model: embedded default (RANDOM WEIGHTS), float32 on {device}, {torch.get_num_threads()} threads"
+    )
     slo = SloRule(factor=5.0, floor=0.5)
     sched = SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor)
     config = EngineConfig(kv_cache_memory="1GiB", max_model_len=4096, scheduler=sched)
     print("fitting the prefill cost model on this machine ...", flush=True)
-    cost = fit_cost_model(LLMEngine(with_policy(config, "fcfs"), loaded=loaded),
-                          lengths=(32, 128, 512, 1024, 2048), repeats=2)
-    print(f"  c0={cost.c0 * 1e3:.2f} ms  g1={cost.g1 * 1e6:.1f} us/token  g2={cost.g2 * 1e9:.2f} ns/pair "
-          f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)")
+    cost = fit_cost_model(
+        LLMEngine(with_policy(config, "fcfs"), loaded=loaded),
+        lengths=(32, 128, 512, 1024, 2048),
+        repeats=2,
+    )
+    print(
+        f"  c0={cost.c0 * 1e3:.2f} ms  g1={cost.g1 * 1e6:.1f} us/token  g2={cost.g2 * 1e9:.2f} ns/pair "
+        f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)"
+    )
     seconds = args.seconds or (35.0 if args.quick else 60.0)
     slices = [Slice("code", "azure_code_2023.csv", 0, 2000, args.load or 0.68)]
     if not args.quick:
@@ -279,9 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     for s in [] if args.starvation_only else slices:
         arrivals, time_scale = scaled_slice(s, cost, args.length_scale, s.load, seconds)
         n_long = sum(a.prompt_tokens >= sched.short_threshold for a in arrivals)
-        print(f"\n== {s.file} rows {s.start}..{s.start + len(arrivals)}: lengths x{args.length_scale}, outputs capped "
-              f"at 64, load {s.load}, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "
-              f"{arrivals[-1].arrival:.0f} s); {n_long} long of {len(arrivals)}", flush=True)
+        print(
+            f"\n== {s.file} rows {s.start}..{s.start + len(arrivals)}: lengths x{args.length_scale}, outputs capped "
+            f"at 64, load {s.load}, arrivals x{time_scale:.3f} ({len(arrivals) / arrivals[-1].arrival:.1f} req/s over "
+            f"{arrivals[-1].arrival:.0f} s); {n_long} long of {len(arrivals)}",
+            flush=True,
+        )
         results, records = {}, {}
         # A run may overrun its slice while the queue drains; the quick run (the demo) is cut off at
         # twice its length so that it stays about two minutes even on a loaded machine.
@@ -292,25 +390,46 @@ def main(argv: list[str] | None = None) -> int:
             # Utilization over the arrival window, not the wall time: a run that overruns its slice to
             # drain a backlog was offered more work than it could do in time (> 100 %).
             util = run.busy_s / arrivals[-1].arrival
-            results[pol] = {"summary": summary, "utilization": util, "busy_s": run.busy_s, "wall_s": run.wall_s}
+            results[pol] = {
+                "summary": summary,
+                "utilization": util,
+                "busy_s": run.busy_s,
+                "wall_s": run.wall_s,
+            }
             records[pol] = recs
-            print(f"-- {pol}: {run.wall_s:.0f} s wall, engine busy {run.busy_s:.0f} s = {util * 100:.0f}% of the "
-                  f"{arrivals[-1].arrival:.0f} s arrival window")
+            print(
+                f"-- {pol}: {run.wall_s:.0f} s wall, engine busy {run.busy_s:.0f} s = {util * 100:.0f}% of the "
+                f"{arrivals[-1].arrival:.0f} s arrival window"
+            )
             print(format_table(summary), flush=True)
         table = comparison_table(results)
-        bounds = slice_bounds([(a.arrival, a.prompt_tokens) for a in arrivals], cost,
-                              lambda n: slo.ttft(cost, n), sched.short_threshold)
+        bounds = slice_bounds(
+            [(a.arrival, a.prompt_tokens) for a in arrivals],
+            cost,
+            lambda n: slo.ttft(cost, n),
+            sched.short_threshold,
+        )
         checks = ratio_lines(results, bounds)
         print("\n" + table + "\n")
         print(bounds_line(bounds) + "\n")
         print("\n".join(checks))
-        out["traces"][s.name] = {"time_scale": time_scale, "length_scale": args.length_scale, "load": s.load,
-                                 "requests": len(arrivals), "results": results, "bounds": bounds,
-                                 "table": table, "checks": checks}
+        out["traces"][s.name] = {
+            "time_scale": time_scale,
+            "length_scale": args.length_scale,
+            "load": s.load,
+            "requests": len(arrivals),
+            "results": results,
+            "bounds": bounds,
+            "table": table,
+            "checks": checks,
+        }
         if args.out:
             os.makedirs(args.out, exist_ok=True)
-            plot_cdfs(records, f"TTFT CDF, {s.file} slice (default model, CPU)",
-                      os.path.join(args.out, f"policies_ttft_cdf_{s.name}.png"))
+            plot_cdfs(
+                records,
+                f"TTFT CDF, {s.file} slice (default model, CPU)",
+                os.path.join(args.out, f"policies_ttft_cdf_{s.name}.png"),
+            )
     if not args.quick and args.starvation_seconds > 0:
         text = starvation_run(loaded, config, cost, args.starvation_seconds)
         print("\n" + text)

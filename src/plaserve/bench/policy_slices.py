@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from plaserve.bench.bounds import ONLINE_ORDERS, jobs_for, online_late, slice_bounds
 from plaserve.bench.offline import SloRule, to_record, with_policy
 from plaserve.bench.policies import POLICIES, Check, Slice, scaled_slice, target_checks
-from plaserve.workload.report import RequestRecord, summarize
-from plaserve.workload.trace import TraceRequest
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
 from plaserve.sim.replay import replay
 from plaserve.sim.runner import CostRunner, SimClock
+from plaserve.workload.report import RequestRecord, summarize
+from plaserve.workload.trace import TraceRequest
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,41 @@ class SliceResult:
     least_violations: int | None  # None: bounds not computed (``run_slice(bounds=False)``)
     online_violations: dict[str, int]
     checks: list[Check]
-    ttft_ms: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)  # policy -> class -> p50/p99
+    ttft_ms: dict[str, dict[str, dict[str, float | None]]] = field(
+        default_factory=dict
+    )  # policy -> class -> p50/p99
 
 
-def _simulate(arrivals: Sequence[TraceRequest], config: EngineConfig, policy: str, cost: CostModel,
-              step_cost: CostModel, slo: SloRule) -> tuple[list[RequestRecord], float, float]:
+def _simulate(
+    arrivals: Sequence[TraceRequest],
+    config: EngineConfig,
+    policy: str,
+    cost: CostModel,
+    step_cost: CostModel,
+    slo: SloRule,
+) -> tuple[list[RequestRecord], float, float]:
     """One policy on the simulated clock: the records, the utilization of the arrival window, the end."""
     clock = SimClock()
-    engine = LLMEngine(with_policy(config, policy), runner=CostRunner(step_cost, clock), cost=cost, clock=clock)
+    engine = LLMEngine(
+        with_policy(config, policy), runner=CostRunner(step_cost, clock), cost=cost, clock=clock
+    )
     records = [to_record(r, slo, cost) for r in replay(engine, clock, arrivals)]
     busy = sum(end - start for start, end, _ in engine.runner.batches)
     return records, busy / arrivals[-1].arrival, clock.now
 
 
-def fcfs_load(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, utilization: float, *,
-              step_cost: CostModel | None = None, length_scale: float = 0.25, seconds: float = 60.0,
-              steps: int = 7) -> float:
+def fcfs_load(
+    s: Slice,
+    config: EngineConfig,
+    cost: CostModel,
+    slo: SloRule,
+    utilization: float,
+    *,
+    step_cost: CostModel | None = None,
+    length_scale: float = 0.25,
+    seconds: float = 60.0,
+    steps: int = 7,
+) -> float:
     """The load (predicted prefill work / window) at which fcfs keeps the simulated machine busy
     ``utilization`` of the slice's window, by bisection: the issue sets the load by fcfs's utilization,
     and slices differ in how much decode work comes with their prefill work."""
@@ -73,9 +92,18 @@ def fcfs_load(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, uti
     return round((lo + hi) / 2, 3)
 
 
-def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, step_cost: CostModel | None = None,
-              length_scale: float = 0.25, seconds: float = 60.0, policies: Sequence[str] = POLICIES,
-              bounds: bool = True) -> SliceResult:
+def run_slice(
+    s: Slice,
+    config: EngineConfig,
+    cost: CostModel,
+    slo: SloRule,
+    *,
+    step_cost: CostModel | None = None,
+    length_scale: float = 0.25,
+    seconds: float = 60.0,
+    policies: Sequence[str] = POLICIES,
+    bounds: bool = True,
+) -> SliceResult:
     """Replay one slice under each policy on the simulated clock (fresh engine each, identical inputs).
 
     ``cost`` sizes the slice, sets the SLOs and is the schedulers' cost model, as the fitted isolated
@@ -90,7 +118,10 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
         results[pol] = {"summary": summarize(records, end), "utilization": busy}
         violations[pol] = sum(r.ttft is None or r.ttft > r.slo_ttft for r in records)
     longs = sum(r.length_class == "long" for r in records)
-    ttft = {pol: {cls: dict(r["summary"][cls]["ttft_ms"]) for cls in ("short", "long")} for pol, r in results.items()}
+    ttft = {
+        pol: {cls: dict(r["summary"][cls]["ttft_ms"]) for cls in ("short", "long")}
+        for pol, r in results.items()
+    }
     least, online, limits = None, {}, None
     if bounds:
         # The bounds price the work as the simulated machine runs it (the step model); SLOs stay the slice's.
@@ -99,12 +130,23 @@ def run_slice(s: Slice, config: EngineConfig, cost: CostModel, slo: SloRule, *, 
         limits = slice_bounds(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), threshold)
         online = ideal_online(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), threshold)
         least = limits["slo_violations"]
-    return SliceResult(s.start, s.load, len(arrivals), longs / len(arrivals),
-                       results.get("fcfs", {}).get("utilization", 0.0), violations,
-                       least, online, target_checks(results, limits), ttft)
+    return SliceResult(
+        s.start,
+        s.load,
+        len(arrivals),
+        longs / len(arrivals),
+        results.get("fcfs", {}).get("utilization", 0.0),
+        violations,
+        least,
+        online,
+        target_checks(results, limits),
+        ttft,
+    )
 
 
-def ideal_online(prompts: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int) -> dict[str, int]:
+def ideal_online(
+    prompts: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int
+) -> dict[str, int]:
     """SLO violations of idealised online schedules of ``(arrival, prompt_tokens)`` in the bounds'
     relaxation (:func:`~plaserve.bench.bounds.online_late`: preemptive, no decode work, no per-step
     cost, knowing only what has arrived): each order of ``ONLINE_ORDERS``, and shorts first with the
@@ -112,8 +154,11 @@ def ideal_online(prompts: Sequence[tuple[float, int]], cost: CostModel, slo_of, 
     between a real scheduler and the bound is foresight."""
     jobs = jobs_for(prompts, cost, slo_of)
     out = {order: online_late(jobs, order) for order in ONLINE_ORDERS}
-    out["shorts first, given-up last"] = online_late(jobs, "earliest deadline, given-up last",
-                                                      short_work=cost.prefill_time(short_threshold - 1) - cost.c0)
+    out["shorts first, given-up last"] = online_late(
+        jobs,
+        "earliest deadline, given-up last",
+        short_work=cost.prefill_time(short_threshold - 1) - cost.c0,
+    )
     return out
 
 
@@ -122,13 +167,17 @@ def slices_table(rows: Sequence[SliceResult]) -> str:
     it misses its target and ``b`` where that is beyond the bound (no scheduler could meet it)."""
     names = [c.name for c in rows[0].checks]
     pols = list(rows[0].violations)
-    head = (f"| first row | load | requests | long | fcfs util | {' | '.join(f'{p} viol.' for p in pols)} | "
-            f"{' | '.join(names)} |\n|{'---|' * (5 + len(pols) + len(names))}")
+    head = (
+        f"| first row | load | requests | long | fcfs util | {' | '.join(f'{p} viol.' for p in pols)} | "
+        f"{' | '.join(names)} |\n|{'---|' * (5 + len(pols) + len(names))}"
+    )
     lines = [head]
     for r in rows:
         marks = " | ".join(c.fmt(c.measured) + _mark(c) for c in r.checks)
-        lines.append(f"| {r.start} | {r.load:.3g} | {r.requests} | {r.long_share * 100:.0f}% | {r.fcfs_utilization * 100:.0f}% | "
-                     f"{' | '.join(str(r.violations[p]) for p in pols)} | {marks} |")
+        lines.append(
+            f"| {r.start} | {r.load:.3g} | {r.requests} | {r.long_share * 100:.0f}% | {r.fcfs_utilization * 100:.0f}% | "
+            f"{' | '.join(str(r.violations[p]) for p in pols)} | {marks} |"
+        )
     return "\n".join(lines)
 
 
@@ -145,19 +194,30 @@ def pooled_lines(rows: Sequence[SliceResult]) -> list[str]:
         met = sum(1 for r in rows if r.checks[i].met)
         beyond = sum(1 for r in rows if r.checks[i].beyond_bound)
         median = first.fmt(statistics.median(values)) if values else "-"
-        out.append(f"| pla {first.name} | {first.target_text} | {met} of {len(rows)} | {beyond} | {median} |")
+        out.append(
+            f"| pla {first.name} | {first.target_text} | {met} of {len(rows)} | {beyond} | {median} |"
+        )
     totals = {p: sum(r.violations[p] for r in rows) for p in rows[0].violations}
     requests = sum(r.requests for r in rows)
     pooled = ", ".join(f"{p} {n} ({n / requests * 100:.1f}%)" for p, n in totals.items())
     least = sum(r.least_violations for r in rows)
-    out += ["", f"SLO violations over all {len(rows)} slices ({requests} requests): {pooled}; "
-                f"no scheduler fewer than {least} ({least / requests * 100:.1f}%)"]
+    out += [
+        "",
+        f"SLO violations over all {len(rows)} slices ({requests} requests): {pooled}; "
+        f"no scheduler fewer than {least} ({least / requests * 100:.1f}%)",
+    ]
     if totals.get("fcfs"):
         out[-1] += f"; pla vs fcfs {(totals['pla'] - totals['fcfs']) / totals['fcfs'] * 100:+.0f}%"
     out[-1] += "."
-    online = ", ".join(f"{order} {sum(r.online_violations[order] for r in rows)}" for order in rows[0].online_violations)
-    out += ["", f"Idealised online schedules in the bound's relaxation (preemptive, no decode work, no per-step "
-                f"cost, knowing only what has arrived), SLO violations over all slices: {online}."]
+    online = ", ".join(
+        f"{order} {sum(r.online_violations[order] for r in rows)}"
+        for order in rows[0].online_violations
+    )
+    out += [
+        "",
+        f"Idealised online schedules in the bound's relaxation (preemptive, no decode work, no per-step "
+        f"cost, knowing only what has arrived), SLO violations over all slices: {online}.",
+    ]
     return out
 
 
@@ -177,9 +237,11 @@ def sweep_table(levels: dict[float, Sequence[SliceResult]]) -> str:
     """Markdown: one row per fcfs utilisation level with pla's TTFT p50 and p99 against fcfs (the
     median over slices and the worst slice), how many slices stay within :data:`NO_HARM` on the p50s,
     and the SLO violations of all slices together."""
-    head = ("| fcfs util | slices | short p50 vs fcfs: median, worst | within +5 % | long p50 vs fcfs: median, worst "
-            "| within +5 % | short p99 vs fcfs (median) | long p99 vs fcfs (median) | SLO viol. fcfs -> pla |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| fcfs util | slices | short p50 vs fcfs: median, worst | within +5 % | long p50 vs fcfs: median, worst "
+        "| within +5 % | short p99 vs fcfs (median) | long p99 vs fcfs (median) | SLO viol. fcfs -> pla |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
 
     def pct(x: float | None) -> str:
@@ -190,8 +252,10 @@ def sweep_table(levels: dict[float, Sequence[SliceResult]]) -> str:
         for cls in ("short", "long"):
             values = [v for v in (ttft_change(r, cls, "p50") for r in rows) if v is not None]
             within = sum(v <= NO_HARM for v in values)
-            cells += [f"{pct(statistics.median(values)) if values else '-'}, {pct(max(values)) if values else '-'}",
-                      f"{within} of {len(values)}"]
+            cells += [
+                f"{pct(statistics.median(values)) if values else '-'}, {pct(max(values)) if values else '-'}",
+                f"{within} of {len(values)}",
+            ]
         for cls in ("short", "long"):
             values = [v for v in (ttft_change(r, cls, "p99") for r in rows) if v is not None]
             cells.append(pct(statistics.median(values)) if values else "-")

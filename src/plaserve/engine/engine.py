@@ -11,29 +11,32 @@ import torch
 
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_peak_flops
-from plaserve.profile import Profile, fingerprint
 from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
-from plaserve.kv_blocks import BlockAllocator
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
-from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.engine.runner import ModelRunner
+from plaserve.kv_blocks import BlockAllocator
+from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.model.fused import compiled_min_tokens
 from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from plaserve.model.tokenizer import IncrementalDetokenizer
-from plaserve.model.default import DEFAULT_CONFIG
-from plaserve.model.tokenizer import load_tokenizer
+from plaserve.model.tokenizer import IncrementalDetokenizer, load_tokenizer
+from plaserve.profile import Profile, fingerprint
+from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.scheduler.base import ScheduledBatch
 from plaserve.scheduler.policy import POLICIES
 
 log = logging.getLogger(__name__)
 
 
-
 def batch_work(batch: ScheduledBatch) -> list[tuple[int, int]]:
     """``(n, h)`` of each item as the cost model sees it (padded rows cost their bucket)."""
-    return [(batch.bucket if batch.bucket is not None and it.num_tokens > 1 else it.num_tokens,
-             it.request.num_computed_tokens) for it in batch.items]
+    return [
+        (
+            batch.bucket if batch.bucket is not None and it.num_tokens > 1 else it.num_tokens,
+            it.request.num_computed_tokens,
+        )
+        for it in batch.items
+    ]
 
 
 def prefill_left(cost: CostModel, num_prompt_tokens: int, num_computed: int) -> float:
@@ -49,6 +52,7 @@ class BatchRunner(Protocol):
 
     def execute(self, batch: ScheduledBatch) -> dict[int, int | None]: ...
 
+
 DEFAULT_MAX_MODEL_LEN = 16384
 
 
@@ -59,26 +63,43 @@ class LLMEngine:
     chunks and decodes). All times are read from ``clock`` so tests can inject their own.
     """
 
-    def __init__(self, config: EngineConfig = EngineConfig(), *, loaded: LoadedModel | None = None,
-                 runner: BatchRunner | None = None, cost: CostModel | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: EngineConfig = EngineConfig(),
+        *,
+        loaded: LoadedModel | None = None,
+        runner: BatchRunner | None = None,
+        cost: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """Build the engine. With ``runner`` given, no model or KV tensors are created: the scheduler
         drives ``runner.execute`` (a test double or the simulator's cost-model runner) instead."""
         # A profile is read first so that a bad path fails before the model loads.
         self.profile = Profile.load(config.profile) if config.profile is not None else None
         if self.profile is not None:
             config = dataclasses.replace(
-                config, scheduler=dataclasses.replace(config.scheduler, **self.profile.scheduler_overrides()))
+                config,
+                scheduler=dataclasses.replace(
+                    config.scheduler, **self.profile.scheduler_overrides()
+                ),
+            )
         self.clock = clock
         self.device = resolve_device(config.device)
         for name in ("pad_short_batches", "pad_decode_batches"):
             if getattr(config, name) not in ("auto", "always", "never"):
-                raise ValueError(f"{name} must be auto, always or never, not {getattr(config, name)!r}")
+                raise ValueError(
+                    f"{name} must be auto, always or never, not {getattr(config, name)!r}"
+                )
         graphs = config.use_cuda_graphs and self.device.type == "cuda"
-        static = config.pad_short_batches == "always" or (config.pad_short_batches == "auto" and graphs)
-        self.static_decode = config.pad_decode_batches == "always" or (config.pad_decode_batches == "auto" and graphs)
-        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
-                                                                           static_short_batches=static))
+        static = config.pad_short_batches == "always" or (
+            config.pad_short_batches == "auto" and graphs
+        )
+        self.static_decode = config.pad_decode_batches == "always" or (
+            config.pad_decode_batches == "auto" and graphs
+        )
+        config = dataclasses.replace(
+            config, scheduler=dataclasses.replace(config.scheduler, static_short_batches=static)
+        )
         self.config = config
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
@@ -89,22 +110,29 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config = loaded.config if loaded else DEFAULT_CONFIG
         self.tokenizer = loaded.tokenizer if loaded else load_tokenizer(None)
-        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings,
-                                                         DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = config.max_model_len or min(
+            self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+        )
         if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.max_position_embeddings}"
+            )
         num_blocks = self._num_kv_blocks()
         self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
         if self.profile is not None:
             self.profile.check(fingerprint(self.model_config, self.dtype, self.device))
             cost = cost or self.profile.cost_model
-        self.cost = cost or CostModel.from_flops(self.model_config, measure_peak_flops(self.device, self.dtype))
+        self.cost = cost or CostModel.from_flops(
+            self.model_config, measure_peak_flops(self.device, self.dtype)
+        )
         self.online = OnlineCostModel(self.cost) if config.online_refit else None
         self.step_time = StepTimeRatio()
         sched = config.scheduler
         if sched.policy not in POLICIES:
-            raise ValueError(f"unknown policy {sched.policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown policy {sched.policy!r}; choose one of {', '.join(POLICIES)}"
+            )
         if sched.static_short_batches and sched.max_static_batch_tokens is None:
             sched = dataclasses.replace(sched, max_static_batch_tokens=self._static_token_budget())
             self.config = config = dataclasses.replace(config, scheduler=sched)
@@ -114,8 +142,15 @@ class LLMEngine:
             if self.device.type == "cpu":
                 keep_freed_memory()  # activations reuse freed memory instead of page-faulting in anew
             cfg = self.model_config
-            kv_caches = allocate_kv_tensors(cfg.num_hidden_layers, num_blocks, config.block_size,
-                                            cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+            kv_caches = allocate_kv_tensors(
+                cfg.num_hidden_layers,
+                num_blocks,
+                config.block_size,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                self.dtype,
+                self.device,
+            )
             runner = ModelRunner(loaded.model, kv_caches, config.block_size, self.device)
             shapes = self.scheduler.static_shapes()
             if shapes:
@@ -145,17 +180,25 @@ class LLMEngine:
         budget = parse_memory(self.config.cuda_graph_memory, available_memory(self.device))
         per_token = self.model_config.activation_bytes_per_token(torch.finfo(self.dtype).bits // 8)
         tokens = max(1, budget // per_token)
-        log.info("static short batches: at most %d tokens each (%s of activations at %d bytes a token)",
-                 tokens, self.config.cuda_graph_memory, per_token)
+        log.info(
+            "static short batches: at most %d tokens each (%s of activations at %d bytes a token)",
+            tokens,
+            self.config.cuda_graph_memory,
+            per_token,
+        )
         return tokens
 
     def _decode_grid_shapes(self) -> list[tuple[int, int]]:
         """The decode grid's ``(batch, blocks)`` shapes: up to ``max_num_seqs`` rows and the blocks of
         ``max_model_len``, within ``cuda_graph_memory`` (each shape's gathered K/V of one layer)."""
         cfg, bs = self.model_config, self.config.block_size
-        bytes_per_block = 2 * bs * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        bytes_per_block = (
+            2 * bs * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        )
         budget = parse_memory(self.config.cuda_graph_memory, available_memory(self.device))
-        return decode_grid_shapes(self.scheduler.max_num_seqs, -(-self.max_model_len // bs), bytes_per_block, budget)
+        return decode_grid_shapes(
+            self.scheduler.max_num_seqs, -(-self.max_model_len // bs), bytes_per_block, budget
+        )
 
     def _num_kv_blocks(self) -> int:
         cfg, c = self.config, self.model_config
@@ -167,17 +210,29 @@ class LLMEngine:
         num_blocks = budget // block_bytes + 1  # +1: the null block
         needed = -(-self.max_model_len // cfg.block_size) + 1
         if num_blocks < needed:
-            raise ValueError(f"KV cache of {budget / 2**20:.1f} MiB holds {(num_blocks - 1) * cfg.block_size} "
-                             f"tokens, fewer than max_model_len={self.max_model_len}; raise --kv-cache-memory "
-                             f"or lower --max-model-len")
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks - 1, cfg.block_size,
-                 num_blocks * block_bytes / 2**20)
+            raise ValueError(
+                f"KV cache of {budget / 2**20:.1f} MiB holds {(num_blocks - 1) * cfg.block_size} "
+                f"tokens, fewer than max_model_len={self.max_model_len}; raise --kv-cache-memory "
+                f"or lower --max-model-len"
+            )
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks - 1,
+            cfg.block_size,
+            num_blocks * block_bytes / 2**20,
+        )
         return num_blocks
 
     # --- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
-                    request_id: str | None = None, arrival_time: float | None = None,
-                    after: str | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        after: str | None = None,
+    ) -> Request:
         """Validate and queue a request (a text prompt or token ids). Raises ValueError on bad input.
 
         ``after``: the id of a request with the same prompt (an earlier choice of it). Where that pays
@@ -192,16 +247,28 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(token_ids, params, request_id=request_id, prompt=text,
-                      arrival_time=self.clock() if arrival_time is None else arrival_time,
-                      detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-                      eos_token_ids=tuple(self.model_config.eos_token_ids))
+        req = Request(
+            token_ids,
+            params,
+            request_id=request_id,
+            prompt=text,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+        )
         if not params.greedy:
-            req.generator = (torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None
-                             else self.generator)
+            req.generator = (
+                torch.Generator(self.device).manual_seed(params.seed)
+                if params.seed is not None
+                else self.generator
+            )
         self.requests[req.request_id] = req
         leader = self.requests.get(after) if after is not None else None
-        if leader is not None and not leader.output_token_ids and self.shares_prefill(len(token_ids), params):
+        if (
+            leader is not None
+            and not leader.output_token_ids
+            and self.shares_prefill(len(token_ids), params)
+        ):
             self._held.setdefault(leader.request_id, []).append(req)
         else:
             self.scheduler.add(req)
@@ -222,16 +289,21 @@ class LLMEngine:
         """Whether a prompt's later choices gain by waiting for its first choice's first token: then its
         prompt blocks are in the prefix cache (on, and a full block before the last token) and they
         compute only the rest. Not with prompt logprobs, which reuse no cached blocks."""
-        return (self.config.enable_prefix_caching and params.prompt_logprobs is None
-                and num_prompt_tokens > self.config.block_size)
+        return (
+            self.config.enable_prefix_caching
+            and params.prompt_logprobs is None
+            and num_prompt_tokens > self.config.block_size
+        )
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """Raise ValueError when a prompt cannot be served."""
         if not token_ids:
             raise ValueError("prompt is empty")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; this model's maximum context length is "
-                             f"{self.max_model_len} (prompt plus at least one generated token)")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; this model's maximum context length is "
+                f"{self.max_model_len} (prompt plus at least one generated token)"
+            )
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
@@ -242,7 +314,9 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
-        self.scheduler.finish(req, "abort")  # a held request holds no blocks: it is only marked finished
+        self.scheduler.finish(
+            req, "abort"
+        )  # a held request holds no blocks: it is only marked finished
         self._release(request_id)
         req.metrics.finish_time = self.clock()
         return True
@@ -257,7 +331,10 @@ class LLMEngine:
         old = self.allocator
         self.allocator = BlockAllocator(len(old.blocks), old.block_size, old.enable_prefix_caching)
         # Counters the metrics export: they never go back.
-        self.allocator.num_cache_hits, self.allocator.num_cache_queries = old.num_cache_hits, old.num_cache_queries
+        self.allocator.num_cache_hits, self.allocator.num_cache_queries = (
+            old.num_cache_hits,
+            old.num_cache_queries,
+        )
         self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
         self.last_batch = None
 
@@ -282,9 +359,13 @@ class LLMEngine:
     @property
     def stats(self) -> dict[str, int]:
         """Monotonic counters for metrics: steps run, prompt tokens served from the prefix cache."""
-        return {"num_steps": self.num_steps, "prefix_cache_hit_tokens": self.allocator.num_cache_hits,
-                "prefix_cache_query_tokens": self.allocator.num_cache_queries,
-                "num_preemptions": self.num_preemptions, **getattr(self.runner, "stats", {})}
+        return {
+            "num_steps": self.num_steps,
+            "prefix_cache_hit_tokens": self.allocator.num_cache_hits,
+            "prefix_cache_query_tokens": self.allocator.num_cache_queries,
+            "num_preemptions": self.num_preemptions,
+            **getattr(self.runner, "stats", {}),
+        }
 
     def load_report(self) -> dict:
         """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
@@ -296,7 +377,9 @@ class LLMEngine:
             cls = self.length_class(req)
             backlog[cls] += prefill_left(self.cost, req.num_prompt_tokens, req.num_computed_tokens)
             (running if req.block_table else queued)[cls] += 1
-        for held in self._held.values():  # no backlog of their own: they will find their prompt cached
+        for (
+            held
+        ) in self._held.values():  # no backlog of their own: they will find their prompt cached
             for req in held:
                 queued[self.length_class(req)] += 1
         kv = self.allocator
@@ -305,9 +388,13 @@ class LLMEngine:
             "queued": queued,
             "running": running,
             "num_requests": sum(queued.values()) + sum(running.values()),
-            "kv": {"used_blocks": kv.num_used_blocks, "free_blocks": kv.num_free_blocks,
-                   "utilization": kv.num_used_blocks / kv.num_blocks, "block_size": kv.block_size,
-                   "prefix_caching": kv.enable_prefix_caching},
+            "kv": {
+                "used_blocks": kv.num_used_blocks,
+                "free_blocks": kv.num_free_blocks,
+                "utilization": kv.num_used_blocks / kv.num_blocks,
+                "block_size": kv.block_size,
+                "prefix_caching": kv.enable_prefix_caching,
+            },
             "cost_model": self.cost.as_dict(),
             "step_time_over_predicted": self.step_time.ratio,
             "short_threshold": self.config.scheduler.short_threshold,
@@ -344,15 +431,19 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)
 
-    def _process_samples(self, batch: ScheduledBatch, sampled: dict[int, int | None], now: float) -> list[Request]:
+    def _process_samples(
+        self, batch: ScheduledBatch, sampled: dict[int, int | None], now: float
+    ) -> list[Request]:
         sampled_reqs = []
         for i, token in sampled.items():
             req = batch.items[i].request
             if req.finished:
                 continue
             if token is None:  # no token could be drawn: this request fails, the batch goes on
-                log.error("request %s: the model's logits are not finite; finishing it with an error",
-                          req.request_id)
+                log.error(
+                    "request %s: the model's logits are not finite; finishing it with an error",
+                    req.request_id,
+                )
                 self.scheduler.finish(req, "error")
                 req.metrics.finish_time = now
             else:
@@ -391,10 +482,13 @@ class LLMEngine:
         for stop in p.stop:
             at = req.output_text.find(stop, max(0, checked - len(stop) + 1))
             if at >= 0:
-                req.output_text = req.output_text[: at + (len(stop) if p.include_stop_str_in_output else 0)]
+                req.output_text = req.output_text[
+                    : at + (len(stop) if p.include_stop_str_in_output else 0)
+                ]
                 req.stop_reason = stop
                 return "stop"
-        if (p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens) or \
-                req.num_tokens >= self.max_model_len:
+        if (
+            p.max_tokens is not None and len(req.output_token_ids) >= p.max_tokens
+        ) or req.num_tokens >= self.max_model_len:
             return "length"
         return None

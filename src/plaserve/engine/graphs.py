@@ -19,8 +19,8 @@ import logging
 import torch
 from tqdm import tqdm
 
-from plaserve.model.attention import AttentionMetadata
 from plaserve.kv_blocks import NULL_BLOCK
+from plaserve.model.attention import AttentionMetadata
 from plaserve.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,15 @@ DECODE_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 class StaticRunner:
     """One prefill grid entry: static buffers for ``batch x bucket`` tokens, optionally a captured graph."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 batch: int, bucket: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: int,
+        bucket: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model, self.kv_caches = model, kv_caches
         self.batch, self.bucket = batch, bucket
         n = batch * bucket
@@ -47,8 +54,11 @@ class StaticRunner:
 
     def _meta(self, rows: int) -> AttentionMetadata:
         """Attention metadata of the first ``rows`` rows of the buffers."""
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:rows * self.bucket], prefill=[],
-                                 padded_shape=(rows, self.bucket))
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[: rows * self.bucket],
+            prefill=[],
+            padded_shape=(rows, self.bucket),
+        )
 
     def _forward(self, rows: int) -> torch.Tensor:
         n = rows * self.bucket
@@ -81,9 +91,11 @@ class StaticRunner:
         self._clear_rows(rows)
         self.graph.replay()
         assert self.hidden is not None
-        return self.hidden[:rows * self.bucket]
+        return self.hidden[: rows * self.bucket]
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: int) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: int
+    ) -> torch.Tensor:
         """Hidden states ``[rows * bucket, hidden]`` for ``rows`` right-padded prompts (flat inputs)."""
         n = rows * self.bucket
         self.input_ids[:n].copy_(input_ids)
@@ -96,25 +108,42 @@ class DecodeRunner(StaticRunner):
     """One decode grid entry: ``batch`` rows of one token each, over contexts of up to ``blocks`` KV
     blocks (block tables padded with the null block, attended as one group)."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 batch: int, blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        batch: int,
+        blocks: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         super().__init__(model, kv_caches, batch, 1, block_size, device)
         self.blocks = blocks
         self.block_tables = torch.full((batch, blocks), NULL_BLOCK, dtype=torch.long, device=device)
         self.context_lens = torch.ones(batch, dtype=torch.long, device=device)
 
     def _meta(self, rows: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:rows], prefill=[],
-                                 decode_block_tables=self.block_tables[:rows],
-                                 decode_context_lens=self.context_lens[:rows], decode_groups=[(0, rows, self.blocks)])
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:rows],
+            prefill=[],
+            decode_block_tables=self.block_tables[:rows],
+            decode_context_lens=self.context_lens[:rows],
+            decode_groups=[(0, rows, self.blocks)],
+        )
 
     def _clear_rows(self, rows: int) -> None:
         super()._clear_rows(rows)
         self.block_tables[rows:].fill_(NULL_BLOCK)
         self.context_lens[rows:].fill_(1)
 
-    def run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                   block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    def run_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
         """Hidden states ``[rows, hidden]`` of ``rows`` decode tokens; ``block_tables`` ``[rows, w]``
         with ``w <= blocks``, padded with the null block."""
         rows, width = block_tables.shape
@@ -128,9 +157,16 @@ class GraphGrid:
     """Static runners for every ``(batch, size)`` of one kind: prefill ``(batch, bucket)`` shapes, or
     with ``decode`` the ``(batch, blocks)`` shapes of decode steps."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 shapes: list[tuple[int, int]], block_size: int, device: torch.device, capture: bool,
-                 decode: bool = False) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        shapes: list[tuple[int, int]],
+        block_size: int,
+        device: torch.device,
+        capture: bool,
+        decode: bool = False,
+    ) -> None:
         self.decode = decode
         self.runners: dict[tuple[int, int], StaticRunner] = {}
         self.captured = capture and device.type == "cuda"
@@ -150,17 +186,29 @@ class GraphGrid:
     def lookup(self, rows: int, size: int) -> StaticRunner | None:
         """The smallest entry that holds ``rows`` rows of ``size``: a prefill bucket exactly (its rows
         are padded to it), a decode width or more (block tables pad with the null block)."""
-        fits = [(k, b) for (b, k) in self.runners if b >= rows and (k >= size if self.decode else k == size)]
+        fits = [
+            (k, b)
+            for (b, k) in self.runners
+            if b >= rows and (k >= size if self.decode else k == size)
+        ]
         if not fits:
             return None
         k, b = min(fits)
         return self.runners[(b, k)]
 
 
-def decode_grid_shapes(max_batch: int, max_blocks: int, bytes_per_block: int, budget: int) -> list[tuple[int, int]]:
+def decode_grid_shapes(
+    max_batch: int, max_blocks: int, bytes_per_block: int, budget: int
+) -> list[tuple[int, int]]:
     """The ``(batch, blocks)`` shapes of the decode grid: batch sizes of :data:`DECODE_BATCH_SIZES` up to
     ``max_batch``, widths of a power of two blocks (from 16) up to ``max_blocks`` (which is always one),
     whose gathered K/V of one layer (``bytes_per_block`` a block row, K and V) fit ``budget`` bytes: a
     captured graph keeps that memory reserved."""
     widths = sorted({min(max_blocks, 16 << i) for i in range(max(1, max_blocks.bit_length()))})
-    return [(b, w) for b in DECODE_BATCH_SIZES if b <= max_batch for w in widths if b * w * bytes_per_block <= budget]
+    return [
+        (b, w)
+        for b in DECODE_BATCH_SIZES
+        if b <= max_batch
+        for w in widths
+        if b * w * bytes_per_block <= budget
+    ]

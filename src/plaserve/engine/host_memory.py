@@ -34,5 +34,8 @@ def keep_freed_memory(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 <
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    _applied = mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    _applied = (
+        mallopt(M_MMAP_THRESHOLD, mmap_threshold) == 1
+        and mallopt(M_TRIM_THRESHOLD, trim_threshold) == 1
+    )
     return _applied

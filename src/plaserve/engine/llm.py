@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 from plaserve.config import EngineConfig
 from plaserve.engine.engine import LLMEngine
-from plaserve.request import Request, RequestOutput, SamplingParams
 from plaserve.model.tokenizer import Tokenizer
+from plaserve.request import Request, RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
@@ -26,10 +26,15 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # one prompt, text or token ids
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -42,7 +47,12 @@ class LLM:
         for prompt, sp in zip(prompts, sampling_params):
             first, *rest = sp.choices()
             leader = self.engine.add_request(prompt, first)
-            groups.append([leader, *(self.engine.add_request(prompt, c, after=leader.request_id) for c in rest)])
+            groups.append(
+                [
+                    leader,
+                    *(self.engine.add_request(prompt, c, after=leader.request_id) for c in rest),
+                ]
+            )
         while self.engine.has_unfinished():
             self.engine.step_requests()  # outputs are built once, at the end
             if self.engine.last_batch is None:  # e.g. short requests inside their batch window
@@ -53,10 +63,17 @@ class LLM:
     def _output(group: list[Request]) -> RequestOutput:
         """One prompt's output, its choices' sequences in order (vLLM's shape for ``n`` > 1)."""
         out = RequestOutput.of(group[0])
-        out.outputs = [dataclasses.replace(RequestOutput.of(r).outputs[0], index=j) for j, r in enumerate(group)]
+        out.outputs = [
+            dataclasses.replace(RequestOutput.of(r).outputs[0], index=j)
+            for j, r in enumerate(group)
+        ]
         return out
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None
+    ) -> RequestOutput:
         """Generate one assistant turn for a conversation, using the tokenizer's chat template."""
         prompt = self.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate(self.get_tokenizer().encode(prompt, add_special_tokens=False), sampling_params)[0]
+        return self.generate(
+            self.get_tokenizer().encode(prompt, add_special_tokens=False), sampling_params
+        )[0]

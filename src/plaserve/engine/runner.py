@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.engine.graphs import DecodeRunner, GraphGrid
-from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
+from plaserve.kv_blocks import NULL_BLOCK
+from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.model.llama import LlamaForCausalLM
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
@@ -24,7 +24,9 @@ class PackedBatch:
     meta: AttentionMetadata
     sample_rows: list[int]  # packed row of the last token of each sampling item
     sample_items: list[int]  # index into batch.items of each sampling item
-    first_rows: dict[int, int]  # packed row of the first token of each item, by index into batch.items
+    first_rows: dict[
+        int, int
+    ]  # packed row of the first token of each item, by index into batch.items
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -59,7 +61,9 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
         ids.extend(req.token_ids[start:end])
         pos.extend(range(start, end))
         slots.extend(_slots(req.block_table, start, end, block_size))
-        if pad_to is not None:  # right padding: token 0 at a harmless position, K/V to the null block
+        if (
+            pad_to is not None
+        ):  # right padding: token 0 at a harmless position, K/V to the null block
             extra = pad_to - it.num_tokens
             ids.extend([0] * extra)
             pos.extend([0] * extra)
@@ -92,19 +96,34 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
             else:
                 groups.append((j, j + 1, n))
         width = groups[0][2]
-        tables = torch.tensor([it.request.block_table + [NULL_BLOCK] * (width - len(it.request.block_table))
-                               for _, it in decodes], dtype=torch.long, device=device)
-        lens = torch.tensor([it.request.num_computed_tokens + 1 for _, it in decodes], dtype=torch.long,
-                            device=device)
+        tables = torch.tensor(
+            [
+                it.request.block_table + [NULL_BLOCK] * (width - len(it.request.block_table))
+                for _, it in decodes
+            ],
+            dtype=torch.long,
+            device=device,
+        )
+        lens = torch.tensor(
+            [it.request.num_computed_tokens + 1 for _, it in decodes],
+            dtype=torch.long,
+            device=device,
+        )
         for i, it in decodes:
             add(i, it)
 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
-    meta = AttentionMetadata(slot_mapping=t(slots), prefill=prefill, num_prefill_tokens=num_prefill,
-                             padded_shape=(len(padded), batch.bucket) if padded else None,
-                             decode_block_tables=tables, decode_context_lens=lens, decode_groups=groups or None)
+    meta = AttentionMetadata(
+        slot_mapping=t(slots),
+        prefill=prefill,
+        num_prefill_tokens=num_prefill,
+        padded_shape=(len(padded), batch.bucket) if padded else None,
+        decode_block_tables=tables,
+        decode_context_lens=lens,
+        decode_groups=groups or None,
+    )
     return PackedBatch(t(ids), t(pos), meta, rows, row_items, first_rows)
 
 
@@ -117,8 +136,13 @@ class ModelRunner:
     lack, runs the varlen eager path.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -129,23 +153,33 @@ class ModelRunner:
 
     def build_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
         """Create (and on CUDA capture) the static runners for ``shapes`` of ``(batch, bucket)``."""
-        self.grid = GraphGrid(self.model, self.kv_caches, shapes, self.block_size, self.device, capture)
+        self.grid = GraphGrid(
+            self.model, self.kv_caches, shapes, self.block_size, self.device, capture
+        )
 
     def build_decode_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
         """Create (and on CUDA capture) the static decode runners for ``shapes`` of ``(batch, blocks)``."""
-        self.decode_grid = GraphGrid(self.model, self.kv_caches, shapes, self.block_size, self.device, capture,
-                                     decode=True)
+        self.decode_grid = GraphGrid(
+            self.model, self.kv_caches, shapes, self.block_size, self.device, capture, decode=True
+        )
 
     @property
     def stats(self) -> dict[str, int]:
         decode = self.decode_grid
-        return {"grid_hits": self.grid.hits if self.grid else 0, "grid_fallbacks": self.grid_fallbacks,
-                "decode_grid_hits": decode.hits if decode else 0,
-                "decode_grid_fallbacks": decode.fallbacks if decode else 0}
+        return {
+            "grid_hits": self.grid.hits if self.grid else 0,
+            "grid_fallbacks": self.grid_fallbacks,
+            "decode_grid_hits": decode.hits if decode else 0,
+            "decode_grid_fallbacks": decode.fallbacks if decode else 0,
+        }
 
     def _forward_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch] | None:
         """A batch of decodes through the decode grid (None: no grid, or no entry holds it)."""
-        if self.decode_grid is None or not batch.items or not all(_is_decode(it) for it in batch.items):
+        if (
+            self.decode_grid is None
+            or not batch.items
+            or not all(_is_decode(it) for it in batch.items)
+        ):
             return None
         # pack() pads the block tables to the longest request's
         width = max(len(it.request.block_table) for it in batch.items)
@@ -158,8 +192,13 @@ class ModelRunner:
         packed = pack(batch, self.block_size, self.device)
         meta = packed.meta
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        return static.run_decode(packed.input_ids, packed.positions, meta.slot_mapping, meta.decode_block_tables,
-                                 meta.decode_context_lens), packed
+        return static.run_decode(
+            packed.input_ids,
+            packed.positions,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+        ), packed
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch]:
         decoded = self._forward_decode(batch)
@@ -176,7 +215,9 @@ class ModelRunner:
         if static is not None:
             assert self.grid is not None
             self.grid.hits += 1
-            hidden = static.run(packed.input_ids, packed.positions, packed.meta.slot_mapping, len(batch.items))
+            hidden = static.run(
+                packed.input_ids, packed.positions, packed.meta.slot_mapping, len(batch.items)
+            )
         else:
             hidden = self.model(packed.input_ids, packed.positions, packed.meta, self.kv_caches)
         return hidden, packed
@@ -189,16 +230,25 @@ class ModelRunner:
         CPU, workspaces on CUDA); without this, the first requests served pay it in their latency.
         Every K/V it writes goes to the null block, which no request reads unmasked.
         """
+
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=self.device)
 
         null = [NULL_BLOCK * self.block_size + i % self.block_size for i in range(num_tokens + 1)]
-        meta = AttentionMetadata(slot_mapping=t(null), prefill=[PrefillSeq(0, num_tokens, 0, None)],
-                                 num_prefill_tokens=num_tokens, decode_block_tables=t([[NULL_BLOCK]]),
-                                 decode_context_lens=t([1]))
+        meta = AttentionMetadata(
+            slot_mapping=t(null),
+            prefill=[PrefillSeq(0, num_tokens, 0, None)],
+            num_prefill_tokens=num_tokens,
+            decode_block_tables=t([[NULL_BLOCK]]),
+            decode_context_lens=t([1]),
+        )
         positions = t([*range(num_tokens), 0])
-        hidden = self.model(torch.zeros(num_tokens + 1, dtype=torch.long, device=self.device), positions, meta,
-                            self.kv_caches)
+        hidden = self.model(
+            torch.zeros(num_tokens + 1, dtype=torch.long, device=self.device),
+            positions,
+            meta,
+            self.kv_caches,
+        )
         self.model.compute_logits(hidden[[num_tokens - 1, num_tokens]])
 
     def execute(self, batch: ScheduledBatch) -> dict[int, int | None]:
@@ -214,31 +264,46 @@ class ModelRunner:
         reqs = [batch.items[i].request for i in packed.sample_items]
         logits = self.model.compute_logits(hidden[packed.sample_rows])
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
-        raw = logits[asked].log_softmax(-1) if asked else None  # a copy: the penalties change logits in place
-        tokens = sample(apply_penalties(logits, reqs), [r.params for r in reqs], [r.generator for r in reqs])
-        if raw is not None and (rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]):
-            entries = token_logprobs(raw[[k for k, _ in rows]], [tokens[j] for _, j in rows],
-                                     [reqs[j].params.logprobs for _, j in rows])
+        raw = (
+            logits[asked].log_softmax(-1) if asked else None
+        )  # a copy: the penalties change logits in place
+        tokens = sample(
+            apply_penalties(logits, reqs), [r.params for r in reqs], [r.generator for r in reqs]
+        )
+        if raw is not None and (
+            rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]
+        ):
+            entries = token_logprobs(
+                raw[[k for k, _ in rows]],
+                [tokens[j] for _, j in rows],
+                [reqs[j].params.logprobs for _, j in rows],
+            )
             for (_, j), entry in zip(rows, entries):
                 reqs[j].output_logprobs.append(entry)
         return dict(zip(packed.sample_items, tokens))
 
-    def _record_prompt_logprobs(self, item: BatchItem, hidden: torch.Tensor, first_row: int,
-                                rows_at_once: int = 256) -> None:
+    def _record_prompt_logprobs(
+        self, item: BatchItem, hidden: torch.Tensor, first_row: int, rows_at_once: int = 256
+    ) -> None:
         """Append to ``item.request.prompt_logprobs`` the entries this step's rows give: the row of
         position ``p`` predicts prompt token ``p + 1``. Positions already recorded (a recompute after
         preemption) are skipped; logits are made ``rows_at_once`` rows at a time, since a whole chunk's
         over a large vocabulary would take gigabytes."""
         req = item.request
         start = req.num_computed_tokens
-        first = max(start, len(req.prompt_logprobs) - 1)  # position whose successor is the next entry
+        first = max(
+            start, len(req.prompt_logprobs) - 1
+        )  # position whose successor is the next entry
         end = min(start + item.num_tokens, req.num_prompt_tokens - 1)
         for lo in range(first, end, rows_at_once):
             hi = min(end, lo + rows_at_once)
-            rows = hidden[first_row + lo - start:first_row + hi - start]
+            rows = hidden[first_row + lo - start : first_row + hi - start]
             logprobs = self.model.compute_logits(rows).log_softmax(-1)
-            req.prompt_logprobs += token_logprobs(logprobs, req.prompt_token_ids[lo + 1:hi + 1],
-                                                  [req.params.prompt_logprobs] * (hi - lo))
+            req.prompt_logprobs += token_logprobs(
+                logprobs,
+                req.prompt_token_ids[lo + 1 : hi + 1],
+                [req.params.prompt_logprobs] * (hi - lo),
+            )
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of every packed token of ``batch``, padding included (for tests and debugging)."""

@@ -34,7 +34,9 @@ class PenaltyState:
     def update(self, output_token_ids: list[int]) -> None:
         """Count the output tokens sampled since the last update."""
         if len(output_token_ids) > self.counted:
-            new = torch.tensor(output_token_ids[self.counted:], dtype=torch.long, device=self.counts.device)
+            new = torch.tensor(
+                output_token_ids[self.counted :], dtype=torch.long, device=self.counts.device
+            )
             self.counts.index_add_(0, new, torch.ones(len(new), device=self.counts.device))
             self.seen[new] = True
             self.counted = len(output_token_ids)
@@ -61,13 +63,17 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(state.seen, penalised, row))
         if p.presence_penalty or p.frequency_penalty:
-            row -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).to(row.dtype)
+            row -= p.frequency_penalty * state.counts + p.presence_penalty * (state.counts > 0).to(
+                row.dtype
+            )
         if p.logit_bias:
             row.index_add_(0, state.bias_ids, state.bias)
     return logits
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
     """Mask (to -inf) every logit outside the top-k, the top-p nucleus and the min-p cut of one row."""
     if min_p > 0:
         probs = logits.softmax(-1)
@@ -94,12 +100,15 @@ def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
     return (logits.isnan() | (logits == float("inf"))).any(-1) | (logits == float("-inf")).all(-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int | None]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | None]:
     """One token per row of ``logits`` ``[N, vocab]`` (float32); None for an unusable row (see
     :func:`unusable_rows`): that request fails alone, the rest of the batch goes on."""
     bad = unusable_rows(logits).tolist()
-    out: list[int | None] = logits.argmax(-1).tolist()  # greedy rows are done; sampled rows overwrite below
+    out: list[int | None] = logits.argmax(
+        -1
+    ).tolist()  # greedy rows are done; sampled rows overwrite below
     for i, p in enumerate(params):
         if bad[i]:
             out[i] = None
@@ -109,11 +118,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]) -> list[TokenLogprobs]:
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]
+) -> list[TokenLogprobs]:
     """Entries for rows of log-probabilities ``[R, vocab]``: row ``r``'s ``tokens[r]`` and its ``ks[r]``
     most likely tokens. All rows come to the host in two transfers, not a few per row."""
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[
+        :, 0
+    ].tolist()
     kmax = max(ks, default=0)
-    top_vals, top_ids = ([], []) if not kmax else (t.tolist() for t in torch.topk(logprobs, kmax))  # values first
-    return [TokenLogprobs(token, lp, tuple(zip(top_ids[r][:k], top_vals[r][:k])) if k else ())
-            for r, (token, lp, k) in enumerate(zip(tokens, chosen, ks))]
+    top_vals, top_ids = (
+        ([], []) if not kmax else (t.tolist() for t in torch.topk(logprobs, kmax))
+    )  # values first
+    return [
+        TokenLogprobs(token, lp, tuple(zip(top_ids[r][:k], top_vals[r][:k])) if k else ())
+        for r, (token, lp, k) in enumerate(zip(tokens, chosen, ks))
+    ]

@@ -50,14 +50,17 @@ class AttentionMetadata:
     # Decode rows [start, end) whose contexts fit ``blocks`` blocks, attended as one group (None: all
     # rows, the tables' full width).
     decode_groups: list[tuple[int, int, int]] | None = None
-    _decode_inputs: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    _decode_inputs: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def num_padded_tokens(self) -> int:
         return 0 if self.padded_shape is None else self.padded_shape[0] * self.padded_shape[1]
 
-    def decode_inputs(self, block_size: int,
-                      dtype: torch.dtype) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def decode_inputs(
+        self, block_size: int, dtype: torch.dtype
+    ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
         """Per decode group: its rows ``[start, end)``, the blocks to gather (flat) and the additive mask
         ``[rows, 1, 1, blocks * block_size]`` (0, or -inf past each context). The same for every layer:
         made by the first, reused by the others."""
@@ -66,14 +69,26 @@ class AttentionMetadata:
             tables, lens = self.decode_block_tables, self.decode_context_lens
             self._decode_inputs = []
             for start, end, blocks in self.decode_groups or [(0, tables.shape[0], tables.shape[1])]:
-                past = torch.arange(blocks * block_size, device=tables.device)[None, :] >= lens[start:end, None]
-                mask = torch.zeros(past.shape, dtype=dtype, device=tables.device).masked_fill_(past, float("-inf"))
-                self._decode_inputs.append((start, end, tables[start:end, :blocks].reshape(-1), mask[:, None, None]))
+                past = (
+                    torch.arange(blocks * block_size, device=tables.device)[None, :]
+                    >= lens[start:end, None]
+                )
+                mask = torch.zeros(past.shape, dtype=dtype, device=tables.device).masked_fill_(
+                    past, float("-inf")
+                )
+                self._decode_inputs.append(
+                    (start, end, tables[start:end, :blocks].reshape(-1), mask[:, None, None])
+                )
         return self._decode_inputs
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Store new keys/values ``[T, Hk, D]`` into the paged cache ``[blocks, block_size, Hk, D]``."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
@@ -85,15 +100,29 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.reshape(-1, *cache.shape[2:])[:length].transpose(0, 1)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
-          mask: torch.Tensor | None = None) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     gqa = q.shape[-3] != k.shape[-3]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=gqa)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Attention for a packed batch. ``q``: ``[T, H, D]``, ``k``/``v``: ``[T, Hk, D]``; returns ``[T, H, D]``.
 
     New K/V are written into ``kv_cache`` first (when given), so cached-prefix and decode requests
@@ -125,8 +154,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple
         b, n = meta.padded_shape
         # Right padding keeps every real token's causal window free of padding.
         shape_q, shape_kv = (b, n, q.shape[1], q.shape[2]), (b, n, k.shape[1], k.shape[2])
-        o = _sdpa(q[p0:p1].view(shape_q).transpose(1, 2), k[p0:p1].view(shape_kv).transpose(1, 2),
-                  v[p0:p1].view(shape_kv).transpose(1, 2), scale, causal=True)
+        o = _sdpa(
+            q[p0:p1].view(shape_q).transpose(1, 2),
+            k[p0:p1].view(shape_kv).transpose(1, 2),
+            v[p0:p1].view(shape_kv).transpose(1, 2),
+            scale,
+            causal=True,
+        )
         out[p0:p1] = o.transpose(1, 2).reshape(b * n, q.shape[1], q.shape[2])
     if meta.decode_block_tables is not None:
         assert kv_cache is not None
@@ -142,7 +176,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple
             vs = torch.index_select(vc, 0, group).view(b, -1, hk, d).transpose(1, 2)
             # The query heads sharing a K/V head attend as that head's rows (query head h reads K/V head
             # h // group, as in repeat_kv): one pass over each head's K/V serves the whole group.
-            qs = q[p1 + start:p1 + end].view(b, hk, -1, d)
+            qs = q[p1 + start : p1 + end].view(b, hk, -1, d)
             o = _sdpa(qs, ks, vs, scale, mask=mask)  # [b, Hk, H / Hk, D]
-            out[p1 + start:p1 + end] = o.reshape(b, -1, d)
+            out[p1 + start : p1 + end] = o.reshape(b, -1, d)
     return out

@@ -60,7 +60,9 @@ class ModelConfig:
         with depth; it is what a captured CUDA graph keeps reserved per token of its shape."""
         h, d = self.hidden_size, self.head_dim
         qkv = (self.num_attention_heads + 2 * self.num_key_value_heads) * d
-        return element_size * (4 * h + 2 * qkv + self.num_attention_heads * d + 3 * self.intermediate_size)
+        return element_size * (
+            4 * h + 2 * qkv + self.num_attention_heads * d + 3 * self.intermediate_size
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -76,10 +78,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"architecture {arch!r} is not supported; plaserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        if cfg.get("sliding_window") and cfg.get(
+            "use_sliding_window", arch == "MistralForCausalLM"
+        ):
             # Sliding-window attention would need a different mask; refuse rather than be wrong.
             if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-                raise UnsupportedModelError(f"{arch} with sliding_window={cfg['sliding_window']} is not supported")
+                raise UnsupportedModelError(
+                    f"{arch} with sliding_window={cfg['sliding_window']} is not supported"
+                )
         heads = cfg["num_attention_heads"]
         # transformers 5 folds rope_theta and rope_scaling into one `rope_parameters` dict.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -87,7 +93,9 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type in (None, "default") else {**rope, "rope_type": rope_type}
         if scaling is not None and rope_type not in ("llama3", "linear"):
-            raise UnsupportedModelError(f"rope_scaling type {rope_type!r} is not supported (llama3, linear are)")
+            raise UnsupportedModelError(
+                f"rope_scaling type {rope_type!r} is not supported (llama3, linear are)"
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(

@@ -33,8 +33,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * mean_square.add_(eps).rsqrt_()).to(x.dtype).mul_(weight)
 
 
-def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Pure (no input changed): the form torch.compile fuses into one pass. Eager, add_rms_norm below
     # adds in place instead.
     total = x + residual
@@ -79,17 +80,25 @@ class FusedKernels:
     def _run(self, pure: Callable, eager: Callable, *args: object) -> object:
         first = args[0]
         assert isinstance(first, torch.Tensor)
-        if self.min_tokens is not None and first.shape[0] >= self.min_tokens and first.dtype != torch.float32:
+        if (
+            self.min_tokens is not None
+            and first.shape[0] >= self.min_tokens
+            and first.dtype != torch.float32
+        ):
             try:
                 return _compiled(pure)(*args)
             except Exception as exc:  # noqa: BLE001 - no compiler, inductor bug: eager is always right
-                log.warning("torch.compile failed (%s: %s); running the elementwise kernels eagerly",
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                log.warning(
+                    "torch.compile failed (%s: %s); running the elementwise kernels eagerly",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
                 self.min_tokens = None
         return eager(*args)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(x + residual), x + residual)``: a layer's residual add and the next norm."""
         out = self._run(_add_rms_norm, _add_rms_norm_eager, x, residual, weight, eps)
         return out  # type: ignore[return-value]
@@ -103,8 +112,9 @@ class FusedKernels:
         return self._run(_silu_mul, _silu_mul_eager, gate_up)  # type: ignore[return-value]
 
 
-def _add_rms_norm_eager(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rms_norm_eager(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     total = x.add_(residual)  # x is a fresh sublayer output: no new [T, hidden] allocation
     return rms_norm(total, weight, eps), total
 

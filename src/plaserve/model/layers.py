@@ -54,7 +54,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (half-split layout) with a precomputed cos/sin table."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
@@ -69,7 +71,9 @@ class RotaryEmbedding(nn.Module):
 
 def _can_prepack() -> bool:
     """Whether this torch build has oneDNN's prepacked linear (its CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 class Projection:
@@ -104,12 +108,19 @@ class Projection:
             start = 0
             for lin in linears:
                 rows = lin.weight.shape[0]
-                lin.weight.data = weight[:, start:start + rows].t() if self.transposed else weight[start:start + rows]
+                lin.weight.data = (
+                    weight[:, start : start + rows].t()
+                    if self.transposed
+                    else weight[start : start + rows]
+                )
                 if bias is not None:
-                    lin.bias.data = bias[start:start + rows]
+                    lin.bias.data = bias[start : start + rows]
                 start += rows
-            self.packed = (torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
-                           if cpu and not self.transposed and _can_prepack() else None)
+            self.packed = (
+                torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
+                if cpu and not self.transposed and _can_prepack()
+                else None
+            )
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,11 +146,16 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Run gate and up as one matmul, and every projection in its fastest layout (:class:`Projection`)."""
-        self.gate_up, self.down = Projection([self.gate_proj, self.up_proj]), Projection([self.down_proj])
+        self.gate_up, self.down = (
+            Projection([self.gate_proj, self.up_proj]),
+            Projection([self.down_proj]),
+        )
 
     def forward(self, x: torch.Tensor, kernels: FusedKernels) -> torch.Tensor:
         if self.gate_up is None or self.down is None:
-            return self.down_proj(kernels.silu_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)))
+            return self.down_proj(
+                kernels.silu_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1))
+            )
         return self.down(kernels.silu_mul(self.gate_up(x)))
 
 
@@ -148,28 +164,40 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         h = cfg.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.qkv: Projection | None = None  # q, k and v as one matmul, see fuse()
         self.o: Projection | None = None
 
     def fuse(self) -> None:
         """Run the q, k and v projections as one matmul, and every projection in its fastest layout."""
-        self.qkv, self.o = Projection([self.q_proj, self.k_proj, self.v_proj]), Projection([self.o_proj])
+        self.qkv, self.o = (
+            Projection([self.q_proj, self.k_proj, self.v_proj]),
+            Projection([self.o_proj]),
+        )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
-                kernels: FusedKernels) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+        kernels: FusedKernels,
+    ) -> torch.Tensor:
         t, h, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)
-            v = qkv[:, (h + hk) * d:].view(t, hk, d)
-            qkv = qkv[:, :(h + hk) * d].view(t, h + hk, d)
+            v = qkv[:, (h + hk) * d :].view(t, hk, d)
+            qkv = qkv[:, : (h + hk) * d].view(t, h + hk, d)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1).view(t, h + hk, d)
             v = self.v_proj(x).view(t, hk, d)
@@ -190,9 +218,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
-                kernels: FusedKernels) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: AttentionMetadata,
+        kernels: FusedKernels,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sublayer output, residual)`` after this block, for ``x`` and ``residual`` before it
         (``residual`` None: ``x`` is the embedding, the first block's input)."""
         norm = self.input_layernorm

@@ -32,7 +32,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.head: Projection | None = None
         self.kernels = FusedKernels()  # eager until compile_kernels()
 
@@ -51,13 +53,20 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = FusedKernels(min_tokens)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of a packed batch; writes its K/V into ``kv_caches`` when given."""
         x, residual = self.model.embed_tokens(input_ids), None
         rope = self.rotary(positions)
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, None if kv_caches is None else kv_caches[i], meta, self.kernels)
+            x, residual = layer(
+                x, residual, rope, None if kv_caches is None else kv_caches[i], meta, self.kernels
+            )
         norm = self.model.norm
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 

@@ -96,12 +96,19 @@ def _with_float32_rope(model: LlamaForCausalLM, device: torch.device) -> LlamaFo
     """(Re)build the rotary table in float32 on ``device``: ``Module.to(dtype)`` would round it to
     half precision, and ``to_empty`` leaves it uninitialised."""
     cfg = model.config
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary = RotaryEmbedding(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
     return model
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                 name: str = DEFAULT_MODEL_NAME) -> LoadedModel:
+def random_model(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    name: str = DEFAULT_MODEL_NAME,
+) -> LoadedModel:
     """A model of shape ``cfg`` with deterministic random weights (see :func:`init_random_weights`) and the
     byte-level tokenizer: the embedded default, or any shape a benchmark needs without a checkpoint."""
     model = LlamaForCausalLM(cfg)
@@ -111,14 +118,20 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
     return LoadedModel(model, cfg, load_tokenizer(None), name, None, True)
 
 
-def load_model(path: str | None, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LoadedModel:
+def load_model(
+    path: str | None, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> LoadedModel:
     """Load ``path`` (a Hugging Face model directory) or, when None, build the embedded default."""
     if path is None:
-        log.warning("no model given: using the embedded default model %s (RANDOM WEIGHTS, output is gibberish)",
-                    DEFAULT_MODEL_NAME)
+        log.warning(
+            "no model given: using the embedded default model %s (RANDOM WEIGHTS, output is gibberish)",
+            DEFAULT_MODEL_NAME,
+        )
         return random_model(DEFAULT_CONFIG, dtype, device, seed)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist (plaserve loads local checkpoints only)")
+        raise FileNotFoundError(
+            f"model directory {path!r} does not exist (plaserve loads local checkpoints only)"
+        )
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = load_tokenizer(path)
     if not cfg.eos_token_ids and tokenizer.eos_token_ids:
@@ -131,4 +144,6 @@ def load_model(path: str | None, dtype: torch.dtype, device: torch.device, seed:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fuse_projections()
-    return LoadedModel(model.eval(), cfg, tokenizer, os.path.basename(os.path.normpath(path)), path, False)
+    return LoadedModel(
+        model.eval(), cfg, tokenizer, os.path.basename(os.path.normpath(path)), path, False
+    )

@@ -85,9 +85,7 @@ class Tokenizer:
         context.update(tools=None, documents=None)
         context.update(template_vars)
         # transformers drops None-valued message fields, so `message.x is defined` agrees.
-        context["messages"] = [
-            {k: v for k, v in m.items() if v is not None} for m in messages
-        ]
+        context["messages"] = [{k: v for k, v in m.items() if v is not None} for m in messages]
         context["add_generation_prompt"] = add_generation_prompt
         return template.render(**context)
 
@@ -188,7 +186,13 @@ def _select_chat_template(value: Any) -> str | None:
 
 # Named special tokens that transformers passes to chat templates.
 _SPECIAL_TOKEN_NAMES = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 
 
@@ -245,13 +249,17 @@ class HFTokenizer(Tokenizer):
         self._manual_bos = False
         self._manual_eos = False
         if self._tok.post_processor is None:
-            self._manual_bos = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+            self._manual_bos = (
+                bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+            )
             self._manual_eos = bool(config.get("add_eos_token", False)) and eos_id is not None
         self._eos_id = eos_id
 
         # transformers skips this cleanup for BPE because it corrupts spacing; mirror that.
         model_type = type(self._tok.model).__name__
-        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and model_type != "BPE"
+        self._clean_up_spaces = (
+            bool(config.get("clean_up_tokenization_spaces", False)) and model_type != "BPE"
+        )
 
         jinja_file = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_file):
@@ -289,8 +297,16 @@ class HFTokenizer(Tokenizer):
 def _clean_up_tokenization(text: str) -> str:
     # Same replacements as transformers' clean_up_tokenization (WordPiece-era spacing fixes).
     for before, after in (
-        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-        (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
     ):
         text = text.replace(before, after)
     return text

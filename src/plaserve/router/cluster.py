@@ -21,22 +21,42 @@ from plaserve.router.cli import add_route_arguments, router_config_from_args, se
 
 def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """The ``cluster`` subcommand's flags: the router's, plus how to start the workers."""
-    p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model directory (default: the embedded random-weight model)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face model directory (default: the embedded random-weight model)",
+    )
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
-    p.add_argument("--worker-base-port", type=int, default=None,
-                   help="first worker's port; the others follow (default: free ports)")
-    p.add_argument("--worker-policy", default=None, help="the workers' scheduling policy (pla, fcfs, spf)")
-    p.add_argument("--kv-cache-memory", default=None, help="each worker's KV cache size (see plaserve serve)")
+    p.add_argument(
+        "--worker-base-port",
+        type=int,
+        default=None,
+        help="first worker's port; the others follow (default: free ports)",
+    )
+    p.add_argument(
+        "--worker-policy", default=None, help="the workers' scheduling policy (pla, fcfs, spf)"
+    )
+    p.add_argument(
+        "--kv-cache-memory", default=None, help="each worker's KV cache size (see plaserve serve)"
+    )
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpus", default=None, help="comma-separated GPU ids, given to the workers in turn")
-    p.add_argument("--worker-args", default="", help="more flags for every worker's `plaserve serve`, quoted")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for each worker")
+    p.add_argument(
+        "--gpus", default=None, help="comma-separated GPU ids, given to the workers in turn"
+    )
+    p.add_argument(
+        "--worker-args", default="", help="more flags for every worker's `plaserve serve`, quoted"
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for each worker"
+    )
     add_route_arguments(p)
     p.set_defaults(worker_urls=[])
 
 
-def worker_env(index: int, workers: int, gpus: list[str] | None, cpus: int | None = None) -> dict[str, str]:
+def worker_env(
+    index: int, workers: int, gpus: list[str] | None, cpus: int | None = None
+) -> dict[str, str]:
     """The environment of worker ``index`` of ``workers``: its share of CPU threads, its GPU."""
     env = dict(os.environ)
     threads = max(1, (cpus or os.cpu_count() or 1) // workers)
@@ -73,18 +93,29 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 2
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     base = worker_args(args)
-    procs = [ServerProcess(base, port=(args.worker_base_port + i) if args.worker_base_port else None,
-                           env=worker_env(i, args.workers, gpus), startup_timeout=args.startup_timeout)
-             for i in range(args.workers)]
-    print(f"plaserve cluster: starting {args.workers} worker(s) on ports {', '.join(str(p.port) for p in procs)}",
-          file=sys.stderr, flush=True)
+    procs = [
+        ServerProcess(
+            base,
+            port=(args.worker_base_port + i) if args.worker_base_port else None,
+            env=worker_env(i, args.workers, gpus),
+            startup_timeout=args.startup_timeout,
+        )
+        for i in range(args.workers)
+    ]
+    print(
+        f"plaserve cluster: starting {args.workers} worker(s) on ports {', '.join(str(p.port) for p in procs)}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         with ThreadPoolExecutor(args.workers) as pool:
             for f in [pool.submit(p.start) for p in procs]:
                 f.result()  # re-raises a worker that failed to start
         args.worker_urls = [p.url for p in procs]
-        print(f"plaserve cluster: {args.workers} worker(s) healthy; router at http://{args.host}:{args.port}",
-              flush=True)
+        print(
+            f"plaserve cluster: {args.workers} worker(s) healthy; router at http://{args.host}:{args.port}",
+            flush=True,
+        )
         asyncio.run(serve_router(args, config))
     except KeyboardInterrupt:
         pass
@@ -92,7 +123,9 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(f"plaserve cluster: {e}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # a second Ctrl-C must not cut the clean-up short
         for p in procs:
             p.stop()
         print("plaserve cluster: stopped", file=sys.stderr, flush=True)

@@ -77,8 +77,12 @@ class RouterConfig:
     policy: str = "pla"
     max_attempts: int = 3  # tries per request on distinct workers, while nothing reached the client
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0  # a worker silent for this long (no first byte) failed the request
-    worker_api_key: str | None = None  # sent on the router's own calls (/load, /tokenize); clients' keys pass through
+    request_timeout_s: float = (
+        600.0  # a worker silent for this long (no first byte) failed the request
+    )
+    worker_api_key: str | None = (
+        None  # sent on the router's own calls (/load, /tokenize); clients' keys pass through
+    )
     seed: int = 0  # power_of_two's sampling
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)

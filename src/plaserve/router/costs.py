@@ -49,7 +49,9 @@ def cost_model_from_dict(d: Any, source: str) -> CostModel | None:
         coef = {k: float(d.get(k) or 0.0) for k in ("g1", "g2", "g3", "c0")}
     except (TypeError, ValueError):
         return None
-    if any(v != v or v < 0 or v == float("inf") for v in coef.values()) or (coef["g1"] <= 0 and coef["g2"] <= 0):
+    if any(v != v or v < 0 or v == float("inf") for v in coef.values()) or (
+        coef["g1"] <= 0 and coef["g2"] <= 0
+    ):
         return None
     return CostModel(**coef, source=source)
 
@@ -64,10 +66,16 @@ def load_cost_profile(path: str) -> tuple[CostModel, int | None]:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
-    model = cost_model_from_dict(data.get("cost_model") if isinstance(data, dict) else None, source="profile")
+    model = cost_model_from_dict(
+        data.get("cost_model") if isinstance(data, dict) else None, source="profile"
+    )
     if model is None:
-        raise ValueError(f"{path}: needs a 'cost_model' object with non-negative numbers g1, g2 (g3, c0 optional)")
+        raise ValueError(
+            f"{path}: needs a 'cost_model' object with non-negative numbers g1, g2 (g3, c0 optional)"
+        )
     threshold = data.get("short_threshold")
-    if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 1):
+    if threshold is not None and (
+        not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 1
+    ):
         raise ValueError(f"{path}: 'short_threshold' must be a positive integer, got {threshold!r}")
     return model, threshold

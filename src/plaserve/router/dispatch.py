@@ -60,7 +60,9 @@ class DispatchCore(Generic[H]):
         worker.start(rid, cost, job.total_tokens, job.length_class, now)
         return cost
 
-    def place(self, item: H, now: float, exclude: frozenset[str] = frozenset()) -> tuple[Worker, float] | None:
+    def place(
+        self, item: H, now: float, exclude: frozenset[str] = frozenset()
+    ) -> tuple[Worker, float] | None:
         """Place ``item`` (committed: the worker and its cost there), or hold it (None: appended to
         :attr:`held`). Raises :class:`NoWorkerError` when no worker but those in ``exclude`` is up. A
         retry (``exclude`` non-empty) is never held: it has waited once already."""
@@ -69,7 +71,9 @@ class DispatchCore(Generic[H]):
             raise NoWorkerError("no worker available")
         if exclude:
             worker = self.policy.choose_now(item.job, workers, now)
-        elif item.job.length_class == LONG and self.held:  # a long request does not overtake held ones
+        elif (
+            item.job.length_class == LONG and self.held
+        ):  # a long request does not overtake held ones
             worker = None
         else:
             worker = self.policy.choose(item.job, workers, now)
@@ -110,8 +114,14 @@ class Dispatcher:
     """The router's dispatcher: :class:`DispatchCore` with held requests waiting on futures, and a
     task that releases them (module docstring)."""
 
-    def __init__(self, policy: Policy, workers: Callable[[], list[Worker]], *, fallback_wakeup_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        workers: Callable[[], list[Worker]],
+        *,
+        fallback_wakeup_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.core: DispatchCore[_Held] = DispatchCore(policy, workers)
         self.policy = policy
         self._clock = clock
@@ -126,7 +136,9 @@ class Dispatcher:
     def available(self, now: float) -> list[Worker]:
         return self.core.available(now)
 
-    async def acquire(self, job: Job, rid: int, exclude: frozenset[str] = frozenset()) -> tuple[Worker, float]:
+    async def acquire(
+        self, job: Job, rid: int, exclude: frozenset[str] = frozenset()
+    ) -> tuple[Worker, float]:
         """A worker for ``job`` (not one of ``exclude``) and the job's cost there; may wait while the
         policy holds it. Raises :class:`NoWorkerError` when no worker can take it."""
         held = _Held(job, rid, asyncio.get_running_loop().create_future())
@@ -138,7 +150,9 @@ class Dispatcher:
             return await held.future  # cancelled with the request if the client goes away
         except asyncio.CancelledError:
             f = held.future
-            if f.done() and not f.cancelled() and f.exception() is None:  # placed just as the client left
+            if (
+                f.done() and not f.cancelled() and f.exception() is None
+            ):  # placed just as the client left
                 f.result()[0].finish(rid, ok=False, now=self._clock(), worker_fault=False)
                 self.wake()
             raise

@@ -11,12 +11,31 @@ import json
 from typing import Any, Mapping
 
 # Not forwarded: they describe one connection, not the request (RFC 9110 7.6.1), or are recomputed.
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                         "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "accept-encoding",
+    }
+)
 RESPONSE_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id")
 
-_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 def request_headers(headers: Mapping[str, str]) -> dict[str, str]:
@@ -31,8 +50,16 @@ def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 def error_json(status: int, message: str, code: str | None = None) -> bytes:
     """An OpenAI-style error body (``code`` a string or null, as in OpenAI's API)."""
-    return json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None,
-                                 "code": code}}).encode()
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": _ERROR_TYPES.get(status, "server_error"),
+                "param": None,
+                "code": code,
+            }
+        }
+    ).encode()
 
 
 def sse_error(message: str) -> bytes:
@@ -82,7 +109,7 @@ class FirstTokenScanner:
             end, sep = self._next_boundary()
             if end < 0:
                 return
-            event = bytes(self.buffer[self._scanned:end])
+            event = bytes(self.buffer[self._scanned : end])
             self._scanned = end + sep
             self._scan_event(event)
 

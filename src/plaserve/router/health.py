@@ -60,10 +60,17 @@ def parse_age(load: dict[str, Any]) -> float:
 class WorkerMonitor:
     """Runs the health and load loops over a changing set of workers."""
 
-    def __init__(self, config: HealthConfig, session_factory: Callable[[], aiohttp.ClientSession],
-                 workers: Callable[[], list[Worker]], *, on_change: Callable[[], None],
-                 on_load: LoadListener, headers: dict[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: HealthConfig,
+        session_factory: Callable[[], aiohttp.ClientSession],
+        workers: Callable[[], list[Worker]],
+        *,
+        on_change: Callable[[], None],
+        on_load: LoadListener,
+        headers: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self._session = session_factory
         self._workers = workers
@@ -75,8 +82,9 @@ class WorkerMonitor:
 
     # --- one worker ------------------------------------------------------------------------------
     async def _get(self, worker: Worker, path: str, timeout: float) -> tuple[int, Any]:
-        async with self._session().get(worker.url + path, headers=self._headers,
-                                       timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with self._session().get(
+            worker.url + path, headers=self._headers, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
             if resp.status != 200:
                 await resp.read()
                 return resp.status, None
@@ -144,7 +152,11 @@ class WorkerMonitor:
             if worker.healthy and worker.check_failures >= self.config.failure_threshold:
                 worker.set_healthy(False)
                 worker.load = None
-                log.warning("worker %s failed %d health checks: out of rotation", worker.url, worker.check_failures)
+                log.warning(
+                    "worker %s failed %d health checks: out of rotation",
+                    worker.url,
+                    worker.check_failures,
+                )
                 return True
         return False
 
@@ -163,7 +175,11 @@ class WorkerMonitor:
             self._on_change()
 
     async def _load_round(self) -> None:
-        workers = [w for w in self._workers() if w.healthy and not w.removed and w.supports_load is not False]
+        workers = [
+            w
+            for w in self._workers()
+            if w.healthy and not w.removed and w.supports_load is not False
+        ]
         if workers:
             await asyncio.gather(*(self.poll_load(w) for w in workers))
             self._on_change()
@@ -179,8 +195,10 @@ class WorkerMonitor:
 
     def start(self) -> None:
         """Start the health and load loops on the running event loop."""
-        self._tasks = [asyncio.create_task(self._loop(self.config.interval_s, self._health_round)),
-                       asyncio.create_task(self._loop(self.config.load_interval_s, self._load_round))]
+        self._tasks = [
+            asyncio.create_task(self._loop(self.config.interval_s, self._health_round)),
+            asyncio.create_task(self._loop(self.config.load_interval_s, self._load_round)),
+        ]
 
     async def stop(self) -> None:
         for t in self._tasks:

@@ -73,7 +73,11 @@ def message_text(message: Any) -> str | None:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text", ""), str))
+        return "".join(
+            p.get("text", "")
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text", ""), str)
+        )
     return None
 
 
@@ -98,7 +102,9 @@ class LengthEstimator:
     def __init__(self, tokenizer: Tokenizer | None = None) -> None:
         self.tokenizer = tokenizer
 
-    async def completion(self, body: dict[str, Any], remote: RemoteTokenize | None = None) -> Estimate:
+    async def completion(
+        self, body: dict[str, Any], remote: RemoteTokenize | None = None
+    ) -> Estimate:
         """Lengths of a ``/v1/completions`` request's prompts."""
         prompts = completion_prompts(body)
         if prompts is None:
@@ -106,16 +112,25 @@ class LengthEstimator:
         if all(isinstance(p, list) for p in prompts):
             return Estimate(tuple(len(p) for p in prompts), "token_ids")
         if self.tokenizer is not None:
-            return Estimate(tuple(len(p) if isinstance(p, list) else len(self.tokenizer.encode(p)) for p in prompts),
-                            "tokenizer")
+            return Estimate(
+                tuple(
+                    len(p) if isinstance(p, list) else len(self.tokenizer.encode(p))
+                    for p in prompts
+                ),
+                "tokenizer",
+            )
         if remote is not None:
             counts = await asyncio.gather(*(self._remote_text(p, body, remote) for p in prompts))
             if all(c is not None for c in counts):
                 return Estimate(tuple(int(c) for c in counts), "worker")  # type: ignore[arg-type]
-        return Estimate(tuple(len(p) if isinstance(p, list) else chars_estimate(p) for p in prompts), "chars")
+        return Estimate(
+            tuple(len(p) if isinstance(p, list) else chars_estimate(p) for p in prompts), "chars"
+        )
 
     @staticmethod
-    async def _remote_text(prompt: str | list[int], body: dict[str, Any], remote: RemoteTokenize) -> int | None:
+    async def _remote_text(
+        prompt: str | list[int], body: dict[str, Any], remote: RemoteTokenize
+    ) -> int | None:
         if isinstance(prompt, list):
             return len(prompt)
         payload: dict[str, Any] = {"prompt": prompt}
@@ -126,14 +141,22 @@ class LengthEstimator:
     async def chat(self, body: dict[str, Any], remote: RemoteTokenize | None = None) -> Estimate:
         """Length of a ``/v1/chat/completions`` request's conversation, chat template included."""
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or any(message_text(m) is None for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or any(message_text(m) is None for m in messages)
+        ):
             return Estimate((1,), "unknown")
         if self.tokenizer is not None and self.tokenizer.has_chat_template:
             try:
                 plain = [{**m, "content": message_text(m)} for m in messages]
                 text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
-                return Estimate((len(self.tokenizer.encode(text, add_special_tokens=False)),), "tokenizer")
-            except Exception as e:  # a template that rejects the conversation: the worker will say why
+                return Estimate(
+                    (len(self.tokenizer.encode(text, add_special_tokens=False)),), "tokenizer"
+                )
+            except (
+                Exception
+            ) as e:  # a template that rejects the conversation: the worker will say why
                 log.debug("chat template failed in the router: %s", e)
         if remote is not None:
             payload: dict[str, Any] = {"messages": messages}

@@ -11,7 +11,22 @@ if TYPE_CHECKING:
     from plaserve.router.workers import Worker
 
 # TTFT and end-to-end buckets from 10 ms to 10 minutes.
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0)
+_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    600.0,
+)
 
 
 class RouterMetrics:
@@ -19,33 +34,76 @@ class RouterMetrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("plaserve_router_requests_total", "requests answered, by route and status",
-                                ["route", "status"], registry=r)
+        self.requests = Counter(
+            "plaserve_router_requests_total",
+            "requests answered, by route and status",
+            ["route", "status"],
+            registry=r,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
-        self.attempts = Counter("plaserve_router_worker_attempts_total",
-                                "requests sent to a worker, by outcome (ok, failed, client_error, client_gone)",
-                                ["worker", "outcome"], registry=r)
-        self.retries = Counter("plaserve_router_retries_total", "requests sent again to another worker", registry=r)
-        self.stream_errors = Counter("plaserve_router_stream_errors_total",
-                                     "streams cut by a worker failure after the first token", registry=r)
-        self.no_worker = Counter("plaserve_router_no_worker_total", "requests refused: no worker in rotation",
-                                 registry=r)
-        self.estimates = Counter("plaserve_router_length_estimates_total", "prompt length estimates, by method",
-                                 ["method"], registry=r)
-        self.ttft = Histogram("plaserve_router_time_to_first_token_seconds",
-                              "from arrival at the router to the first token (streamed requests)",
-                              ["length_class"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("plaserve_router_e2e_request_latency_seconds", "from arrival to the last byte",
-                             ["length_class"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.held = Gauge("plaserve_router_held_requests", "long requests waiting in the router", registry=r)
-        self.backlog = Gauge("plaserve_router_worker_backlog_seconds", "virtual backlog B_k", ["worker"], registry=r)
-        self.inflight = Gauge("plaserve_router_worker_inflight_requests", "requests in flight", ["worker"], registry=r)
-        self.healthy = Gauge("plaserve_router_worker_healthy", "1 in rotation, 0 out", ["worker"], registry=r)
-        self.short_pool = Gauge("plaserve_router_short_pool_size", "workers in the short pool (pla)", registry=r)
-        self.pressure = Gauge("plaserve_router_pool_pressure", "pool pressure by length class (pla)",
-                              ["length_class"], registry=r)
-        self.resizes = Gauge("plaserve_router_pool_resizes", "short pool resizes by the controller so far (pla)",
-                             registry=r)
+        self.attempts = Counter(
+            "plaserve_router_worker_attempts_total",
+            "requests sent to a worker, by outcome (ok, failed, client_error, client_gone)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "plaserve_router_retries_total", "requests sent again to another worker", registry=r
+        )
+        self.stream_errors = Counter(
+            "plaserve_router_stream_errors_total",
+            "streams cut by a worker failure after the first token",
+            registry=r,
+        )
+        self.no_worker = Counter(
+            "plaserve_router_no_worker_total", "requests refused: no worker in rotation", registry=r
+        )
+        self.estimates = Counter(
+            "plaserve_router_length_estimates_total",
+            "prompt length estimates, by method",
+            ["method"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "plaserve_router_time_to_first_token_seconds",
+            "from arrival at the router to the first token (streamed requests)",
+            ["length_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "plaserve_router_e2e_request_latency_seconds",
+            "from arrival to the last byte",
+            ["length_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.held = Gauge(
+            "plaserve_router_held_requests", "long requests waiting in the router", registry=r
+        )
+        self.backlog = Gauge(
+            "plaserve_router_worker_backlog_seconds", "virtual backlog B_k", ["worker"], registry=r
+        )
+        self.inflight = Gauge(
+            "plaserve_router_worker_inflight_requests", "requests in flight", ["worker"], registry=r
+        )
+        self.healthy = Gauge(
+            "plaserve_router_worker_healthy", "1 in rotation, 0 out", ["worker"], registry=r
+        )
+        self.short_pool = Gauge(
+            "plaserve_router_short_pool_size", "workers in the short pool (pla)", registry=r
+        )
+        self.pressure = Gauge(
+            "plaserve_router_pool_pressure",
+            "pool pressure by length class (pla)",
+            ["length_class"],
+            registry=r,
+        )
+        self.resizes = Gauge(
+            "plaserve_router_pool_resizes",
+            "short pool resizes by the controller so far (pla)",
+            registry=r,
+        )
 
     def child(self, metric: Counter | Histogram, *labels: str):
         """``metric.labels(*labels)``, looked up once per label tuple (prometheus_client's lookup takes
@@ -56,7 +114,9 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def render(self, workers: list["Worker"], policy: "Policy", held: int, now: float, load_stale_s: float) -> bytes:
+    def render(
+        self, workers: list["Worker"], policy: "Policy", held: int, now: float, load_stale_s: float
+    ) -> bytes:
         """The text exposition, after refreshing the gauges from the live state."""
         self.held.set(held)
         for w in workers:

@@ -69,7 +69,9 @@ class Policy:
         job in the router until :meth:`next_held` releases it."""
         raise NotImplementedError
 
-    def next_held(self, held: Sequence[Job], workers: Sequence[Worker], now: float) -> tuple[int, Worker] | None:
+    def next_held(
+        self, held: Sequence[Job], workers: Sequence[Worker], now: float
+    ) -> tuple[int, Worker] | None:
         """Which held job (its index in ``held``, oldest first) may go now, and where; None: none."""
         return None
 
@@ -149,10 +151,14 @@ class PlaPolicy(Policy):
     def backlog(self, w: Worker, now: float) -> float:
         return w.backlog(now, self._stale)
 
-    def _place(self, job: Job, workers: Sequence[Worker], backlogs: list[float], now: float) -> Worker | None:
+    def _place(
+        self, job: Job, workers: Sequence[Worker], backlogs: list[float], now: float
+    ) -> Worker | None:
         costs = [w.cost(job.tokens) for w in workers]
         if job.length_class == SHORT:
-            i = min(range(len(workers)), key=lambda i: (backlogs[i] + costs[i], workers[i].work_total))
+            i = min(
+                range(len(workers)), key=lambda i: (backlogs[i] + costs[i], workers[i].work_total)
+            )
             return workers[i]
         clear, reserve = sum(b <= self._budget for b in backlogs), self.pools.reserved(now)
         best: tuple[float, float, int] | None = None
@@ -160,7 +166,9 @@ class PlaPolicy(Policy):
             if backlogs[i] >= self._horizon:
                 continue
             # Workers within the budget after this request lands on worker i.
-            still_clear = clear - (backlogs[i] <= self._budget) + (backlogs[i] + costs[i] <= self._budget)
+            still_clear = (
+                clear - (backlogs[i] <= self._budget) + (backlogs[i] + costs[i] <= self._budget)
+            )
             if still_clear < reserve:
                 continue
             key = (backlogs[i] + costs[i], w.work_total, i)
@@ -172,7 +180,9 @@ class PlaPolicy(Policy):
         self.pools.set_workers(len(workers), now)
         return self._place(job, workers, [self.backlog(w, now) for w in workers], now)
 
-    def next_held(self, held: Sequence[Job], workers: Sequence[Worker], now: float) -> tuple[int, Worker] | None:
+    def next_held(
+        self, held: Sequence[Job], workers: Sequence[Worker], now: float
+    ) -> tuple[int, Worker] | None:
         self.pools.set_workers(len(workers), now)
         backlogs = [self.backlog(w, now) for w in workers]
         for i, job in enumerate(held[: self.max_scan]):
@@ -190,18 +200,26 @@ class PlaPolicy(Policy):
     def next_wakeup(self, workers: Sequence[Worker], now: float) -> float | None:
         # Reported backlogs drain with time: the next moment one crosses the horizon or the budget.
         # A millisecond past the crossing, so the backlog is under the level when we look again.
-        etas = [eta for w in workers for level in (self._horizon, self._budget)
-                if (eta := w.drain_eta(level, now, self._stale)) is not None]
+        etas = [
+            eta
+            for w in workers
+            for level in (self._horizon, self._budget)
+            if (eta := w.drain_eta(level, now, self._stale)) is not None
+        ]
         return min(etas) + 1e-3 if etas else None
 
     def on_dispatch(self, job: Job, worker: Worker, cost: float, now: float) -> None:
         # Predicted TTFT as the client sees it: time already spent in the router, plus the backlog,
         # plus the request's own prefill.
         predicted = (now - job.arrival) + self.backlog(worker, now) + cost
-        self.pools.observe_dispatch(job.length_class, predicted, self.config.slo.for_cost(cost), now)
+        self.pools.observe_dispatch(
+            job.length_class, predicted, self.config.slo.for_cost(cost), now
+        )
 
     def on_first_token(self, job: Job, worker: Worker, cost: float, now: float) -> None:
-        self.pools.observe_first_token(job.length_class, now - job.arrival, self.config.slo.for_cost(cost), now)
+        self.pools.observe_first_token(
+            job.length_class, now - job.arrival, self.config.slo.for_cost(cost), now
+        )
 
     def tick(self, workers: Sequence[Worker], now: float) -> None:
         self.pools.set_workers(len(workers), now)
@@ -221,4 +239,8 @@ def make_policy(config: RouterConfig) -> Policy:
         return PlaPolicy(config)
     if config.policy == "power_of_two":
         return PowerOfTwo(config.seed)
-    return {"round_robin": RoundRobin, "least_requests": LeastRequests, "least_tokens": LeastTokens}[config.policy]()
+    return {
+        "round_robin": RoundRobin,
+        "least_requests": LeastRequests,
+        "least_tokens": LeastTokens,
+    }[config.policy]()

@@ -98,11 +98,21 @@ class PoolController:
             want = round(n * self.config.initial_short_fraction) if first else old
             self.short_size = min(max(want, low), high) if low <= high else n // 2
         if self.short_size != old:
-            self.history.append(Resize(now, old, self.short_size, self.pressure(SHORT, now),
-                                       self.pressure(LONG, now), "workers"))
+            self.history.append(
+                Resize(
+                    now,
+                    old,
+                    self.short_size,
+                    self.pressure(SHORT, now),
+                    self.pressure(LONG, now),
+                    "workers",
+                )
+            )
 
     # --- pressure --------------------------------------------------------------------------------
-    def observe_dispatch(self, length_class: str, predicted_ttft: float, slo: float, now: float) -> None:
+    def observe_dispatch(
+        self, length_class: str, predicted_ttft: float, slo: float, now: float
+    ) -> None:
         """A request of ``length_class`` was sent, predicted to see its first token ``predicted_ttft``
         seconds after it reached the router."""
         if length_class == SHORT:
@@ -122,14 +132,20 @@ class PoolController:
             while samples and samples[0][0] < cutoff:
                 samples.popleft()
             if len(samples) >= self.config.min_samples:
-                out = max(out, float(np.percentile([r for _, r in samples], self.config.percentile)))
+                out = max(
+                    out, float(np.percentile([r for _, r in samples], self.config.percentile))
+                )
         return out
 
     # --- the rule --------------------------------------------------------------------------------
     def tick(self, now: float) -> Resize | None:
         """Apply the resizing rule once; returns the change made, if any."""
         cfg = self.config
-        if not self.active or now - self.last_tick < cfg.period_s or now - self.last_change < cfg.cooldown_s:
+        if (
+            not self.active
+            or now - self.last_tick < cfg.period_s
+            or now - self.last_change < cfg.cooldown_s
+        ):
             return None
         self.last_tick = now
         ps, pl = self.pressure(SHORT, now), self.pressure(LONG, now)
@@ -148,7 +164,11 @@ class PoolController:
 
     def describe(self, now: float) -> dict:
         """Sizes and pressures as JSON."""
-        return {"active": self.active, "short_size": self.short_size, "reserved": self.reserved(now),
-                "long_size": self.num_workers - self.short_size if self.active else 0,
-                "pressure": {SHORT: self.pressure(SHORT, now), LONG: self.pressure(LONG, now)},
-                "resizes": sum(r.reason == "pressure" for r in self.history)}
+        return {
+            "active": self.active,
+            "short_size": self.short_size,
+            "reserved": self.reserved(now),
+            "long_size": self.num_workers - self.short_size if self.active else 0,
+            "pressure": {SHORT: self.pressure(SHORT, now), LONG: self.pressure(LONG, now)},
+            "resizes": sum(r.reason == "pressure" for r in self.history),
+        }

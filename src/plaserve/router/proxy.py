@@ -38,8 +38,13 @@ from plaserve.model.tokenizer import Tokenizer
 from plaserve.router.config import RouterConfig
 from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD, cost_model_from_dict, default_cost_model
 from plaserve.router.dispatch import Dispatcher, NoWorkerError
-from plaserve.router.forward import (FirstTokenScanner, error_json, request_headers, response_headers,
-                                     sse_error)
+from plaserve.router.forward import (
+    FirstTokenScanner,
+    error_json,
+    request_headers,
+    response_headers,
+    sse_error,
+)
 from plaserve.router.health import WorkerMonitor
 from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
@@ -64,9 +69,15 @@ class _Failure:
 class Router:
     """The router's state and request handling; :func:`build_app` puts it behind aiohttp."""
 
-    def __init__(self, worker_urls: list[str], config: RouterConfig | None = None, *,
-                 tokenizer: Tokenizer | None = None, profile: tuple[CostModel, int | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        config: RouterConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
+        profile: tuple[CostModel, int | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         config = config or RouterConfig()
         self.config = config
         self._clock = clock
@@ -78,19 +89,30 @@ class Router:
         for url in worker_urls:
             self._new_worker(url)
         self.policy = make_policy(config)
-        self.dispatcher = Dispatcher(self.policy, lambda: list(self.workers.values()),
-                                     fallback_wakeup_s=config.health.load_interval_s, clock=clock)
+        self.dispatcher = Dispatcher(
+            self.policy,
+            lambda: list(self.workers.values()),
+            fallback_wakeup_s=config.health.load_interval_s,
+            clock=clock,
+        )
         self.estimator = LengthEstimator(tokenizer)
         self.metrics = RouterMetrics()
         auth = {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
         self._auth = auth
-        self.monitor = WorkerMonitor(config.health, lambda: self.session, lambda: list(self.workers.values()),
-                                     on_change=self.dispatcher.wake, on_load=self._on_load, headers=auth,
-                                     clock=clock)
+        self.monitor = WorkerMonitor(
+            config.health,
+            lambda: self.session,
+            lambda: list(self.workers.values()),
+            on_change=self.dispatcher.wake,
+            on_load=self._on_load,
+            headers=auth,
+            clock=clock,
+        )
         self._rids = itertools.count()
         self._tokenize_turn = itertools.count()
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s,
-                                              sock_read=config.request_timeout_s)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout_s, sock_read=config.request_timeout_s
+        )
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -104,7 +126,9 @@ class Router:
     async def start(self) -> None:
         """Open the connection pool, probe every worker once, start the background loops."""
         # No connection limit: a capped pool would queue requests inside the router, unaccounted.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+        )
         await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
         self.monitor.start()
         self.dispatcher.start()
@@ -143,7 +167,9 @@ class Router:
         ok = await self.monitor.probe(worker)
         self.monitor.record_check(worker, ok)
         if not ok:
-            log.warning("worker %s did not answer its first health check; it joins when it does", worker.url)
+            log.warning(
+                "worker %s did not answer its first health check; it joins when it does", worker.url
+            )
         self.dispatcher.wake()
 
     def _on_load(self, worker: Worker, load: dict[str, Any]) -> None:
@@ -190,15 +216,21 @@ class Router:
     # --- length estimates ------------------------------------------------------------------------
     async def _remote_tokenize(self, payload: dict[str, Any]) -> int | None:
         """Count tokens with a worker's ``/tokenize``, trying each worker that may have one."""
-        candidates = [w for w in self.dispatcher.available(self._clock()) if w.supports_tokenize is not False]
+        candidates = [
+            w for w in self.dispatcher.available(self._clock()) if w.supports_tokenize is not False
+        ]
         if not candidates:
             return None
         start = next(self._tokenize_turn)
         for i in range(len(candidates)):
             worker = candidates[(start + i) % len(candidates)]
             try:
-                async with self.session.post(worker.url + "/tokenize", json=payload, headers=self._auth,
-                                             timeout=aiohttp.ClientTimeout(total=self.config.health.timeout_s)) as r:
+                async with self.session.post(
+                    worker.url + "/tokenize",
+                    json=payload,
+                    headers=self._auth,
+                    timeout=aiohttp.ClientTimeout(total=self.config.health.timeout_s),
+                ) as r:
                     if r.status in (404, 405):
                         worker.supports_tokenize = False
                         continue
@@ -252,27 +284,36 @@ class Router:
             tried.add(worker.url)
             if attempt:
                 self.metrics.retries.inc()
-            result = await self._attempt(request, path, raw, headers, stream, job, worker, rid, cost)
+            result = await self._attempt(
+                request, path, raw, headers, stream, job, worker, rid, cost
+            )
             if isinstance(result, web.StreamResponse):
                 return result
             failure = result
         if failure is None:
             self.metrics.no_worker.inc()
-            return self._reply(path, 503, error_json(503, "no worker available"), {"Retry-After": "1"})
+            return self._reply(
+                path, 503, error_json(503, "no worker available"), {"Retry-After": "1"}
+            )
         return self._reply(path, failure.status, failure.body, failure.headers)
 
-    def _reply(self, route: str, status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    def _reply(
+        self, route: str, status: int, body: bytes, headers: dict[str, str] | None = None
+    ) -> web.Response:
         self.metrics.child(self.metrics.requests, route, str(status)).inc()
         out = {"Content-Type": JSON, **(headers or {})}
         return web.Response(status=status, body=body, headers=out)
 
-    async def _until_first_token(self, worker: Worker, path: str, raw: bytes, headers: dict[str, str],
-                                 stream: bool) -> tuple[aiohttp.ClientResponse, bytes | FirstTokenScanner]:
+    async def _until_first_token(
+        self, worker: Worker, path: str, raw: bytes, headers: dict[str, str], stream: bool
+    ) -> tuple[aiohttp.ClientResponse, bytes | FirstTokenScanner]:
         """Send the request and read up to its first token (the whole body when not streamed or not 200).
 
         Returns the open response (streams) and what was read; the caller owns the response.
         """
-        resp = await self.session.post(worker.url + path, data=raw, headers=headers, timeout=self._timeout)
+        resp = await self.session.post(
+            worker.url + path, data=raw, headers=headers, timeout=self._timeout
+        )
         try:
             if resp.status != 200 or not stream:
                 data = await resp.read()
@@ -290,8 +331,18 @@ class Router:
             resp.close()
             raise
 
-    async def _attempt(self, request: web.Request, path: str, raw: bytes, headers: dict[str, str], stream: bool,
-                       job: Job, worker: Worker, rid: int, cost: float) -> web.StreamResponse | _Failure:
+    async def _attempt(
+        self,
+        request: web.Request,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        job: Job,
+        worker: Worker,
+        rid: int,
+        cost: float,
+    ) -> web.StreamResponse | _Failure:
         """One try on one worker: the client's response, or the failure to retry from."""
         done = False
 
@@ -311,7 +362,9 @@ class Router:
             except asyncio.CancelledError:
                 if task not in worker.abandoned:
                     raise  # the client went away
-                finish(False, "failed", fault=False)  # the health checks have already judged the worker
+                finish(
+                    False, "failed", fault=False
+                )  # the health checks have already judged the worker
                 return self._failure(worker, "left the rotation before answering")
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 finish(False, "failed")
@@ -323,8 +376,11 @@ class Router:
             if resp.status != 200:
                 assert isinstance(first, bytes)
                 passthrough = resp.status != 429 and resp.status < 500
-                finish(passthrough, "client_error" if passthrough else "failed",
-                       fault=resp.status >= 500 if not passthrough else False)
+                finish(
+                    passthrough,
+                    "client_error" if passthrough else "failed",
+                    fault=resp.status >= 500 if not passthrough else False,
+                )
                 hdrs = response_headers(resp.headers)
                 if passthrough:
                     return self._reply(path, resp.status, first, hdrs)
@@ -350,13 +406,24 @@ class Router:
             finish(False, "client_gone", fault=False)
             raise
 
-    async def _stream_rest(self, request: web.Request, path: str, resp: aiohttp.ClientResponse,
-                           first: FirstTokenScanner, job: Job, worker: Worker,
-                           finish: Callable[..., None]) -> web.StreamResponse:
+    async def _stream_rest(
+        self,
+        request: web.Request,
+        path: str,
+        resp: aiohttp.ClientResponse,
+        first: FirstTokenScanner,
+        job: Job,
+        worker: Worker,
+        finish: Callable[..., None],
+    ) -> web.StreamResponse:
         """Send the buffered start and then every chunk as it comes; the first token is in ``first``."""
-        out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get("Content-Type",
-                                                                                       "text/event-stream"),
-                                                      "Cache-Control": "no-cache"})
+        out = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+            },
+        )
         try:
             await out.prepare(request)
             # What has arrived already goes out in one write (with the end of the stream, when that
@@ -370,8 +437,12 @@ class Router:
                     await out.write(pending)
                     while chunk := await resp.content.readany():
                         await out.write(chunk)
-            except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-                    asyncio.TimeoutError) as e:
+            except (
+                aiohttp.ClientPayloadError,
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+                asyncio.TimeoutError,
+            ) as e:
                 # The client has had tokens already: end its stream with an error, never silently.
                 log.warning("worker %s failed mid-stream: %s", worker.url, e)
                 finish(False, "failed")
@@ -383,7 +454,9 @@ class Router:
             if not ended:
                 await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            finish(False, "client_gone", fault=False)  # the client left; closing resp aborts the worker's request
+            finish(
+                False, "client_gone", fault=False
+            )  # the client left; closing resp aborts the worker's request
             return out
         finally:
             resp.close()
@@ -402,11 +475,16 @@ class Router:
         headers = request_headers(request.headers)
         for worker in self.dispatcher.available(self._clock()):
             try:
-                async with self.session.get(worker.url + "/v1/models", headers=headers,
-                                            timeout=aiohttp.ClientTimeout(total=self.config.health.timeout_s)) as r:
+                async with self.session.get(
+                    worker.url + "/v1/models",
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.config.health.timeout_s),
+                ) as r:
                     data = await r.read()
                     if r.status == 200 or 400 <= r.status < 500:
-                        return self._reply("/v1/models", r.status, data, response_headers(r.headers))
+                        return self._reply(
+                            "/v1/models", r.status, data, response_headers(r.headers)
+                        )
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 continue
         self.metrics.no_worker.inc()
@@ -415,25 +493,44 @@ class Router:
     async def health(self, request: web.Request) -> web.Response:
         n = len(self.dispatcher.available(self._clock()))
         status = 200 if n else 503
-        return web.json_response({"status": "ok" if n else "no worker available", "workers_available": n,
-                                  "workers": len(self.workers)}, status=status)
+        return web.json_response(
+            {
+                "status": "ok" if n else "no worker available",
+                "workers_available": n,
+                "workers": len(self.workers),
+            },
+            status=status,
+        )
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        body = self.metrics.render(list(self.workers.values()), self.policy, self.dispatcher.num_held,
-                                   self._clock(), self.config.health.load_stale_s)
+        body = self.metrics.render(
+            list(self.workers.values()),
+            self.policy,
+            self.dispatcher.num_held,
+            self._clock(),
+            self.config.health.load_stale_s,
+        )
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def describe(self) -> dict[str, Any]:
         """Workers and policy state as JSON (``GET /workers``)."""
         now = self._clock()
-        out = {"policy": self.policy.describe(now), "short_threshold": self.short_threshold,
-               "short_threshold_source": self.threshold_source, "held": self.dispatcher.num_held,
-               "workers": [w.describe(now, self.config.health.load_stale_s) for w in self.workers.values()]}
+        out = {
+            "policy": self.policy.describe(now),
+            "short_threshold": self.short_threshold,
+            "short_threshold_source": self.threshold_source,
+            "held": self.dispatcher.num_held,
+            "workers": [
+                w.describe(now, self.config.health.load_stale_s) for w in self.workers.values()
+            ],
+        }
         short_pool = getattr(self.policy, "short_pool", None)
         if short_pool is not None:
-            out["policy"]["short_pool_now"] = [w.url for w in short_pool(self.dispatcher.available(now), now)]
+            out["policy"]["short_pool_now"] = [
+                w.url for w in short_pool(self.dispatcher.available(now), now)
+            ]
         return out
 
     async def list_workers(self, request: web.Request) -> web.Response:
@@ -452,14 +549,18 @@ class Router:
     async def post_worker(self, request: web.Request) -> web.Response:
         url = await self._url_param(request)
         if url is None:
-            return self._reply("/workers", 400, error_json(400, "give the worker as {\"url\": \"http://host:port\"}"))
+            return self._reply(
+                "/workers", 400, error_json(400, 'give the worker as {"url": "http://host:port"}')
+            )
         worker = await self.add_worker(url)
         return web.json_response(worker.describe(self._clock(), self.config.health.load_stale_s))
 
     async def delete_worker(self, request: web.Request) -> web.Response:
         url = await self._url_param(request)
         if url is None:
-            return self._reply("/workers", 400, error_json(400, "give the worker as {\"url\": \"http://host:port\"}"))
+            return self._reply(
+                "/workers", 400, error_json(400, 'give the worker as {"url": "http://host:port"}')
+            )
         if not self.remove_worker(url):
             return self._reply("/workers", 404, error_json(404, f"no worker {url}"))
         return web.json_response({"removed": url.rstrip("/")})
@@ -471,7 +572,9 @@ def build_app(router: Router) -> web.Application:
     Serve it with ``handler_cancellation=True`` (as :func:`serve` does) so that a client that goes
     away cancels its request, and the worker's request with it.
     """
-    app = web.Application(client_max_size=1 << 30)  # long prompts: the worker enforces its own limits
+    app = web.Application(
+        client_max_size=1 << 30
+    )  # long prompts: the worker enforces its own limits
 
     async def lifecycle(app: web.Application):
         await router.start()

@@ -60,9 +60,13 @@ class Worker:
     this state can be replayed in tests.
     """
 
-    def __init__(self, url: str, cost_model: CostModel, breaker: BreakerConfig, *, healthy: bool = True) -> None:
+    def __init__(
+        self, url: str, cost_model: CostModel, breaker: BreakerConfig, *, healthy: bool = True
+    ) -> None:
         self.url = url.rstrip("/")
-        self.cost_model = cost_model  # the model that prices requests here (see plaserve.router.costs)
+        self.cost_model = (
+            cost_model  # the model that prices requests here (see plaserve.router.costs)
+        )
         self.reports_cost = False  # the cost model is the worker's own, from its /load
         self.breaker = CircuitBreaker(breaker)
         self.healthy = healthy
@@ -71,7 +75,9 @@ class Worker:
         self.load: LoadReport | None = None
         self.supports_load: bool | None = None  # None: not asked yet
         self.supports_tokenize: bool | None = None
-        self.health_path = "/health"  # becomes /v1/models for servers with only the OpenAI endpoints
+        self.health_path = (
+            "/health"  # becomes /v1/models for servers with only the OpenAI endpoints
+        )
         self.check_failures = 0  # consecutive failed health checks
         self.check_successes = 0
         self.requests_total = 0
@@ -95,7 +101,11 @@ class Worker:
         report = self.load
         if report is None or now - report.received > load_stale_s:
             return sum(r.cost for r in self.inflight.values() if not r.prefill_done)
-        unseen = sum(r.cost for r in self.inflight.values() if not r.prefill_done and r.dispatched >= report.sent)
+        unseen = sum(
+            r.cost
+            for r in self.inflight.values()
+            if not r.prefill_done and r.dispatched >= report.sent
+        )
         return max(0.0, report.backlog_s - (now - report.received)) + unseen
 
     @property
@@ -161,9 +171,17 @@ class Worker:
 
     def describe(self, now: float, load_stale_s: float) -> dict:
         """The worker's state as JSON (``GET /workers``)."""
-        return {"url": self.url, "healthy": self.healthy, "breaker": self.breaker.state(now),
-                "available": self.available(now), "backlog_s": round(self.backlog(now, load_stale_s), 6),
-                "inflight": self.num_inflight, "inflight_tokens": self.inflight_tokens,
-                "requests_total": self.requests_total, "failures_total": self.failures_total,
-                "supports_load": self.supports_load, "health_path": self.health_path,
-                "cost_model": self.cost_model.as_dict()}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "breaker": self.breaker.state(now),
+            "available": self.available(now),
+            "backlog_s": round(self.backlog(now, load_stale_s), 6),
+            "inflight": self.num_inflight,
+            "inflight_tokens": self.inflight_tokens,
+            "requests_total": self.requests_total,
+            "failures_total": self.failures_total,
+            "supports_load": self.supports_load,
+            "health_path": self.health_path,
+            "cost_model": self.cost_model.as_dict(),
+        }

@@ -69,7 +69,9 @@ class Scheduler:
     # --- queue membership -------------------------------------------------------------------
     def add(self, req: Request) -> None:
         """Queue a new request, classified short or long by its tokens left after the prefix cache."""
-        uncached = req.num_prompt_tokens - self.kv.peek_prefix(req.token_ids[:req.num_reusable_tokens])
+        uncached = req.num_prompt_tokens - self.kv.peek_prefix(
+            req.token_ids[: req.num_reusable_tokens]
+        )
         req.uncached_estimate = uncached
         req.length_class = "short" if uncached < self.config.short_threshold else "long"
         req.ttft_slo = self.config.slo.ttft(self.cost, uncached)
@@ -122,7 +124,7 @@ class Scheduler:
         prompt logprobs, every token whose logits they still need; see ``Request.num_reusable_tokens``).
         """
         assert not req.block_table
-        req.block_table = self.kv.match_prefix(req.token_ids[:req.num_reusable_tokens])
+        req.block_table = self.kv.match_prefix(req.token_ids[: req.num_reusable_tokens])
         req.num_committed_blocks = len(req.block_table)
         req.num_computed_tokens = len(req.block_table) * self.kv.block_size
         if not req.output_token_ids:  # the first admission, not a recompute after preemption
@@ -159,8 +161,9 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         return n
 
-    def reserve_or_preempt(self, req: Request, num_tokens: int, scheduled: list[BatchItem],
-                           preempted: list[Request]) -> bool:
+    def reserve_or_preempt(
+        self, req: Request, num_tokens: int, scheduled: list[BatchItem], preempted: list[Request]
+    ) -> bool:
         """Reserve blocks for a running request, preempting the newest running requests that are
         not in ``scheduled`` when memory is short. False if ``req`` itself had to go."""
         while not self.can_reserve(req, num_tokens):
@@ -176,7 +179,9 @@ class Scheduler:
         self.reserve(req, num_tokens)
         return True
 
-    def pack(self, order: list[Request], budget: int, items: list[BatchItem], preempted: list[Request]) -> int:
+    def pack(
+        self, order: list[Request], budget: int, items: list[BatchItem], preempted: list[Request]
+    ) -> int:
         """Append work for the requests of ``order`` to ``items`` within ``budget`` tokens: a running
         request continues (preempting newer ones if memory is short), a waiting one starts. Stops at the
         first request that cannot start. Returns the budget left."""
@@ -214,5 +219,6 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = start
             req.num_computed_tokens += item.num_tokens
-            req.num_committed_blocks = self.kv.commit(req.block_table, req.token_ids, req.num_computed_tokens,
-                                                      req.num_committed_blocks)
+            req.num_committed_blocks = self.kv.commit(
+                req.block_table, req.token_ids, req.num_computed_tokens, req.num_committed_blocks
+            )

@@ -39,8 +39,12 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def pick_bucket_batch(items: Iterable[T], length: "callable[[T], int]", buckets: Sequence[int],
-                      max_batch_for: "callable[[int], int]") -> tuple[list[T], int] | None:
+def pick_bucket_batch(
+    items: Iterable[T],
+    length: "callable[[T], int]",
+    buckets: Sequence[int],
+    max_batch_for: "callable[[int], int]",
+) -> tuple[list[T], int] | None:
     """Group ``items`` (in priority order: the pla scheduler's deadline order) into one bucket batch.
 
     The bucket is that of the first item, so no short request is overtaken forever by a busier
@@ -52,5 +56,7 @@ def pick_bucket_batch(items: Iterable[T], length: "callable[[T], int]", buckets:
         return None
     bucket = bucket_for(length(items[0]), buckets)
     assert bucket is not None, "a short request longer than the largest bucket"
-    chosen = [it for it in items if bucket_for(length(it), buckets) == bucket][: max_batch_for(bucket)]
+    chosen = [it for it in items if bucket_for(length(it), buckets) == bucket][
+        : max_batch_for(bucket)
+    ]
     return chosen, bucket

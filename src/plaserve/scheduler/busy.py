@@ -16,7 +16,9 @@ class BusyMeter:
 
     def __init__(self, horizon: float = HORIZON_S) -> None:
         self.horizon = horizon
-        self.steps: deque[tuple[float, float]] = deque()  # (start, end) of recent steps, oldest first
+        self.steps: deque[tuple[float, float]] = (
+            deque()
+        )  # (start, end) of recent steps, oldest first
         self.since: float | None = None  # when it began to watch
 
     def record(self, start: float, end: float) -> None:
@@ -34,4 +36,7 @@ class BusyMeter:
         start = now - self.horizon
         while self.steps and self.steps[0][1] <= start:
             self.steps.popleft()
-        return sum(max(0.0, min(end, now) - max(begin, start)) for begin, end in self.steps) / self.horizon
+        return (
+            sum(max(0.0, min(end, now) - max(begin, start)) for begin, end in self.steps)
+            / self.horizon
+        )

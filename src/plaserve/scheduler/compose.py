@@ -77,15 +77,23 @@ class StaticComposer:
     def static_shapes(self) -> list[tuple[int, int]]:
         """Every ``(batch, bucket)`` a short batch can have. A bucket larger than :attr:`token_cap` gets
         no entry: its batches take the varlen fallback."""
-        return [(b, k) for k in self.shorts.buckets for b in self.shorts.batch_sizes
-                if b <= self.max_batch_for(k) and b * k <= self.token_cap]
+        return [
+            (b, k)
+            for k in self.shorts.buckets
+            for b in self.shorts.batch_sizes
+            if b <= self.max_batch_for(k) and b * k <= self.token_cap
+        ]
 
     def form(self, cands: list[Request], plan: DeadlinePlan) -> ShortBatch:
         """The head request's bucket and the next candidates of that bucket, as deep as the cap allows,
         each joining only if the batch stays on time (:meth:`ShortQueue.fill`)."""
-        reqs, bucket = pick_bucket_batch(cands, lambda r: r.uncached_estimate, self.shorts.buckets, self.max_batch_for)
+        reqs, bucket = pick_bucket_batch(
+            cands, lambda r: r.uncached_estimate, self.shorts.buckets, self.max_batch_for
+        )
         depth = self.max_batch_for(bucket)
-        return ShortBatch(self.shorts.fill(reqs, lambda r: bucket, depth * bucket, plan), bucket, depth)
+        return ShortBatch(
+            self.shorts.fill(reqs, lambda r: bucket, depth * bucket, plan), bucket, depth
+        )
 
     def compose(self, s: PlaScheduler, d: Decision) -> ScheduledBatch:
         batch = s.decode_step(d.decodes) if d.decode_due else ScheduledBatch([])
@@ -130,7 +138,9 @@ class VarlenComposer:
         riders = d.decodes if d.decode_due or not self.backlog(d) else []
         batch = ScheduledBatch([])
         if d.short_ready and not d.long_due:
-            batch = s.with_decodes(ScheduledBatch(s.start_shorts(d.short.reqs, self.threshold), kind="short"), riders)
+            batch = s.with_decodes(
+                ScheduledBatch(s.start_shorts(d.short.reqs, self.threshold), kind="short"), riders
+            )
         if not batch and d.long_pending:
             batch = s.long_step(d.plan, riders)
         return batch or s.decode_step(d.decodes)

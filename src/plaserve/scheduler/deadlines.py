@@ -19,8 +19,9 @@ from plaserve.request import Request, RequestStatus
 T = TypeVar("T")
 
 
-def moore_hodgson_late(jobs: Iterable[T], start: float, work: Callable[[T], float],
-                       deadline: Callable[[T], float]) -> set[T]:
+def moore_hodgson_late(
+    jobs: Iterable[T], start: float, work: Callable[[T], float], deadline: Callable[[T], float]
+) -> set[T]:
     """The jobs that one machine serving ``jobs`` from ``start`` with the fewest late ones leaves late
     (Moore-Hodgson: earliest deadline first; whenever a job would finish late, give up the longest taken
     so far; of equally long ones, the latest in that order). Exact when all jobs are ready at ``start``.
@@ -83,8 +84,14 @@ class DeadlinePlan:
         request that could still make its deadline where serving it would make others miss theirs,
         which a test of each request on its own misses."""
         c0 = self.cost.c0
-        return frozenset(moore_hodgson_late(self.pending, self.now + c0 + self.rider_time,
-                                            lambda r: self.cost.prefill_time(*tokens_left(r)) - c0, deadline))
+        return frozenset(
+            moore_hodgson_late(
+                self.pending,
+                self.now + c0 + self.rider_time,
+                lambda r: self.cost.prefill_time(*tokens_left(r)) - c0,
+                deadline,
+            )
+        )
 
     def yields(self, req: Request) -> bool:
         """Whether ``req`` gives way to the requests that can still meet their deadlines: the late set

@@ -18,7 +18,9 @@ class LongQueue:
     def __init__(self, chunk_size: int, max_tokens: int, aging: float) -> None:
         self.chunk_size, self.max_tokens, self.aging = chunk_size, max_tokens, aging
 
-    def order(self, running: Iterable[Request], waiting: Iterable[Request], plan: DeadlinePlan) -> list[Request]:
+    def order(
+        self, running: Iterable[Request], waiting: Iterable[Request], plan: DeadlinePlan
+    ) -> list[Request]:
         """Long prefills in the order they advance: those under way first (a started prompt keeps
         going, so its blocks are not held idle), then waiting ones by :meth:`priority`, those the late
         set gives up (:meth:`DeadlinePlan.yields`) after the rest."""

@@ -36,10 +36,15 @@ class PlaScheduler(Scheduler):
         self.cadence = Cadence(c.max_consecutive_short, c.max_prefill_steps_between_decodes)
         self.busy = BusyMeter()
         if c.static_short_batches:
-            cap = min(self.max_num_batched_tokens, c.max_static_batch_tokens or self.max_num_batched_tokens)
+            cap = min(
+                self.max_num_batched_tokens,
+                c.max_static_batch_tokens or self.max_num_batched_tokens,
+            )
             self.composer: Composer = StaticComposer(self.shorts, cap)
         else:
-            self.composer = VarlenComposer(self.shorts, self.max_num_batched_tokens, c.short_threshold)
+            self.composer = VarlenComposer(
+                self.shorts, self.max_num_batched_tokens, c.short_threshold
+            )
 
     # --- queue membership -------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -66,8 +71,9 @@ class PlaScheduler(Scheduler):
 
     def long_pending(self) -> bool:
         """Whether any long prefill is waiting or under way."""
-        return (any(r.length_class == "long" for r in self.waiting)
-                or any(r.length_class == "long" and r.in_prefill for r in self.running))
+        return any(r.length_class == "long" for r in self.waiting) or any(
+            r.length_class == "long" and r.in_prefill for r in self.running
+        )
 
     def plan(self, now: float) -> DeadlinePlan:
         """The deadline plan of a decision at ``now``, over the queues as they stand."""
@@ -101,9 +107,16 @@ class PlaScheduler(Scheduler):
         if short_ready:
             # The moment the head-of-line guarantee starts to count; ready requests keep their place.
             self.shorts.mark_ready(short.reqs, ready_at)
-        decision = Decision(plan, decodes, long_pending, short, short_ready,
-                            sum(1 for r in self.waiting if r.length_class == "short"),
-                            self.cadence.decode_due(bool(decodes)), self.cadence.long_due(long_pending))
+        decision = Decision(
+            plan,
+            decodes,
+            long_pending,
+            short,
+            short_ready,
+            sum(1 for r in self.waiting if r.length_class == "short"),
+            self.cadence.decode_due(bool(decodes)),
+            self.cadence.long_due(long_pending),
+        )
         batch = self.composer.compose(self, decision)
         if batch.kind == "short":
             self.shorts.last_dispatch = now
@@ -111,7 +124,9 @@ class PlaScheduler(Scheduler):
         return batch
 
     # --- the steps the composers build ------------------------------------------------------
-    def add_decodes(self, items: list[BatchItem], preempted: list[Request], decodes: list[Request]) -> None:
+    def add_decodes(
+        self, items: list[BatchItem], preempted: list[Request], decodes: list[Request]
+    ) -> None:
         """Append one token for every request of ``decodes`` still running (preempting if short of memory)."""
         for req in decodes:
             if req in self.running and self.reserve_or_preempt(req, 1, items, preempted):
@@ -172,6 +187,7 @@ class PlaScheduler(Scheduler):
         items: list[BatchItem] = []
         preempted: list[Request] = []
         queue = self.longs.order(self.running, self.waiting, plan)
-        self.pack(queue[:1], self.longs.chunk_budget(queue, self.light_load(plan.now)), items, preempted)
+        self.pack(
+            queue[:1], self.longs.chunk_budget(queue, self.light_load(plan.now)), items, preempted
+        )
         return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)
-

@@ -29,7 +29,9 @@ class FcfsScheduler(Scheduler):
         items: list[BatchItem] = []
         preempted: list[Request] = []
         # Running requests first (decodes and unfinished prefills), oldest first; then new ones.
-        self.pack([*self.running, *self.waiting_order()], self.max_num_batched_tokens, items, preempted)
+        self.pack(
+            [*self.running, *self.waiting_order()], self.max_num_batched_tokens, items, preempted
+        )
         return ScheduledBatch(items, kind="mixed", preempted=preempted)
 
 
@@ -44,4 +46,6 @@ class SpfScheduler(FcfsScheduler):
         return sorted(self.waiting, key=lambda r: r.uncached_estimate)
 
 
-POLICIES: dict[str, type[Scheduler]] = {cls.name: cls for cls in (PlaScheduler, FcfsScheduler, SpfScheduler)}
+POLICIES: dict[str, type[Scheduler]] = {
+    cls.name: cls for cls in (PlaScheduler, FcfsScheduler, SpfScheduler)
+}

@@ -56,20 +56,31 @@ class ShortQueue:
         """Waiting short requests, most urgent first: the ready ones by deadline (nothing passes them:
         the head-of-line guarantee), then the others by deadline, those the late set gives up
         (:meth:`DeadlinePlan.yields`) after the rest."""
+
         def key(r: Request) -> tuple[bool, bool, float]:
             forming = r not in self.ready
             return forming, forming and plan.yields(r), deadline(r)
+
         return sorted((r for r in waiting if r.length_class == "short"), key=key)
 
-    def fill(self, cands: list[Request], tokens: Callable[[Request], int], max_tokens: int,
-             plan: DeadlinePlan) -> list[Request]:
+    def fill(
+        self,
+        cands: list[Request],
+        tokens: Callable[[Request], int],
+        max_tokens: int,
+        plan: DeadlinePlan,
+    ) -> list[Request]:
         """``cands[0]`` and, in order, each later candidate that fits in ``max_tokens`` (counting
         ``tokens(r)`` per request) and keeps the batch's predicted finish, were it to run now with the
         riders, within the deadline of every member that does not yield: in a burst one large batch
         would make all its members late, where smaller ones keep most on time."""
         c0 = plan.cost.c0
         batch: list[Request] = []
-        used, work, due = 0, c0 + plan.rider_time, float("inf")  # tokens, predicted seconds, earliest deadline
+        used, work, due = (
+            0,
+            c0 + plan.rider_time,
+            float("inf"),
+        )  # tokens, predicted seconds, earliest deadline
         for r in cands:
             n = tokens(r)
             w = plan.cost.prefill_time(n) - c0
@@ -90,7 +101,7 @@ class ShortQueue:
         if len(batch.reqs) >= batch.target:
             # Full since its last member arrived; the members are in priority order, not arrival order,
             # so that may be later than the longest window would have let the oldest wait.
-            return min(max(arrivals[:batch.target]), oldest + self.window.w_max)
+            return min(max(arrivals[: batch.target]), oldest + self.window.w_max)
         return oldest + self.window.width(batch.target, len(batch.reqs))
 
     def mark_ready(self, reqs: Iterable[Request], at: float) -> None:

@@ -26,7 +26,11 @@ class AdaptiveWindow:
         """Record one short request arriving at time ``t``."""
         if self.last_arrival is not None:
             gap = max(0.0, t - self.last_arrival)
-            self.mean_gap = gap if self.mean_gap is None else (1 - self.smoothing) * self.mean_gap + self.smoothing * gap
+            self.mean_gap = (
+                gap
+                if self.mean_gap is None
+                else (1 - self.smoothing) * self.mean_gap + self.smoothing * gap
+            )
         self.last_arrival = t
 
     def width(self, batch_target: int, queued: int) -> float:

@@ -29,20 +29,38 @@ from starlette.routing import Route
 
 import plaserve
 from plaserve.request import ParamError, SamplingParams
+from plaserve.server import responses as R
 from plaserve.server.auth import ApiKeyMiddleware
 from plaserve.server.connections import ErrorGuard
 from plaserve.server.deltas import DeltaTracker
 from plaserve.server.engine_loop import EngineLoop
 from plaserve.server.errors import ApiError, error_body
-from plaserve.server.generation import ClientDisconnected, EventStreamResponse, Generation, until_disconnect
-from plaserve.server.prompts import ModelLimits, check_logit_bias, check_prompt, encode_chat, encode_prompt
-from plaserve.server.protocol import (StreamOptions, parse_chat_request, parse_completion_request,
-                                      parse_json_object, parse_tokenize_request)
-from plaserve.server import responses as R
+from plaserve.server.generation import (
+    ClientDisconnected,
+    EventStreamResponse,
+    Generation,
+    until_disconnect,
+)
+from plaserve.server.prompts import (
+    ModelLimits,
+    check_logit_bias,
+    check_prompt,
+    encode_chat,
+    encode_prompt,
+)
+from plaserve.server.protocol import (
+    StreamOptions,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_object,
+    parse_tokenize_request,
+)
 
 log = logging.getLogger(__name__)
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+COMPLETION_DEFAULT_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+)
 
 
 @dataclass(frozen=True)
@@ -56,14 +74,20 @@ class HttpLimits:
 class _Handlers:
     """Route handlers bound to one engine loop; everything they read from the engine is fixed at start."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, http_limits: HttpLimits) -> None:
+    def __init__(
+        self, engine_loop: EngineLoop, served_model_name: str, http_limits: HttpLimits
+    ) -> None:
         engine = engine_loop.engine
         self.http_limits = http_limits
         self.loop = engine_loop
         self.model_name = served_model_name
         self.tokenizer = engine.tokenizer
-        self._token_texts: dict[int, str] = {}  # logprobs' token texts: at most one per vocabulary id
-        self.limits = ModelLimits(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size)
+        self._token_texts: dict[
+            int, str
+        ] = {}  # logprobs' token texts: at most one per vocabulary id
+        self.limits = ModelLimits(
+            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size
+        )
         self.model_path = engine.loaded.path
         self.created = int(time.time())
         self.server_info = {
@@ -86,8 +110,12 @@ class _Handlers:
     # --- helpers -------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
     async def _body(self, request: Request) -> dict[str, Any]:
         """The JSON object body, read within the limits: a larger body is a 413, a slower one a 408, a
@@ -95,21 +123,28 @@ class _Handlers:
         limit = self.http_limits.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body has {declared} bytes; this server takes at most {limit}")
+            raise ApiError(
+                413, f"the request body has {declared} bytes; this server takes at most {limit}"
+            )
 
         async def read() -> bytes:
             chunks, size = [], 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise ApiError(413, f"the request body is larger than {limit} bytes, the most this server takes")
+                    raise ApiError(
+                        413,
+                        f"the request body is larger than {limit} bytes, the most this server takes",
+                    )
                 chunks.append(chunk)
             return b"".join(chunks)
 
         try:
             raw = await asyncio.wait_for(read(), self.http_limits.body_timeout)
         except asyncio.TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {self.http_limits.body_timeout:g} s") from None
+            raise ApiError(
+                408, f"the request body did not arrive within {self.http_limits.body_timeout:g} s"
+            ) from None
         except ClientDisconnect:
             raise ApiError(499, "the client disconnected while sending the request") from None
         return parse_json_object(raw)
@@ -119,7 +154,9 @@ class _Handlers:
         with logprobs decodes a few tokens per position on the event loop."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
         return text
 
     @staticmethod
@@ -146,14 +183,28 @@ class _Handlers:
             params += choices
         rid = f"cmpl-{uuid.uuid4().hex}"
         # Each choice's echo is its prompt as sent (token ids decoded), as vLLM echoes it.
-        echo = [p if isinstance(p, str) else self.tokenizer.decode(list(p), skip_special_tokens=False)
-                for p in req.prompts for _ in range(req.sampling.n)] if req.echo else None
+        echo = (
+            [
+                p
+                if isinstance(p, str)
+                else self.tokenizer.decode(list(p), skip_special_tokens=False)
+                for p in req.prompts
+                for _ in range(req.sampling.n)
+            ]
+            if req.echo
+            else None
+        )
         gen = Generation.submit(self.loop, rid, prompts, params, req.sampling.n)
         if req.stream:
-            return EventStreamResponse(self._stream_completion(gen, rid, req.stream_options, req.sampling, echo))
+            return EventStreamResponse(
+                self._stream_completion(gen, rid, req.stream_options, req.sampling, echo)
+            )
         outputs = await self._wait(request, gen)
-        return JSONResponse(R.completion_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
-                                                  self._decode, echo))
+        return JSONResponse(
+            R.completion_response(
+                rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode, echo
+            )
+        )
 
     async def chat(self, request: Request) -> Response:
         req = parse_chat_request(await self._body(request))
@@ -162,13 +213,23 @@ class _Handlers:
         ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation.submit(self.loop, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens),
-                                req.sampling.n)
+        gen = Generation.submit(
+            self.loop,
+            rid,
+            [ids] * req.sampling.n,
+            self._params(req.sampling, max_tokens),
+            req.sampling.n,
+        )
         if req.stream:
-            return EventStreamResponse(self._stream_chat(gen, rid, req.stream_options, req.sampling))
+            return EventStreamResponse(
+                self._stream_chat(gen, rid, req.stream_options, req.sampling)
+            )
         outputs = await self._wait(request, gen)
-        return JSONResponse(R.chat_response(rid, int(time.time()), self.model_name, outputs, req.sampling.n,
-                                            self._decode))
+        return JSONResponse(
+            R.chat_response(
+                rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode
+            )
+        )
 
     @staticmethod
     def _stream_usage(gen: Generation, options: StreamOptions, n: int) -> R.StreamUsage:
@@ -179,12 +240,20 @@ class _Handlers:
         try:
             return await until_disconnect(request, gen.result())
         except ClientDisconnected:
-            raise ApiError(499, "client disconnected") from None  # never seen by the client; for the logs
+            raise ApiError(
+                499, "client disconnected"
+            ) from None  # never seen by the client; for the logs
         finally:
             gen.close()
 
-    async def _stream_completion(self, gen: Generation, rid: str, options: StreamOptions, sampling: SamplingParams,
-                                 echo: list[str] | None) -> AsyncIterator[str]:
+    async def _stream_completion(
+        self,
+        gen: Generation,
+        rid: str,
+        options: StreamOptions,
+        sampling: SamplingParams,
+        echo: list[str] | None,
+    ) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
         usage = self._stream_usage(gen, options, sampling.n)
@@ -200,14 +269,22 @@ class _Handlers:
                     reason = out.outputs[0].finish_reason if out.finished else None
                     logprobs = None
                     if (new := tracker.new_logprobs(out.outputs[0].logprobs)) is not None:
-                        pairs = (R.prompt_pairs(out) if echo and first else []) + R.output_pairs(new)
+                        pairs = (R.prompt_pairs(out) if echo and first else []) + R.output_pairs(
+                            new
+                        )
                         logprobs = R.completion_logprobs(pairs, self._decode, tracker.token_chars)
                         tracker.token_chars += sum(map(len, logprobs["tokens"]))
                     if echo and first:
                         text = echo[i] + text
-                    yield R.sse(usage.stamp(R.completion_chunk(rid, created, name, i, text, reason, logprobs)))
+                    yield R.sse(
+                        usage.stamp(
+                            R.completion_chunk(rid, created, name, i, text, reason, logprobs)
+                        )
+                    )
             if options.include_usage:
-                yield R.sse(R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n))
+                yield R.sse(
+                    R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n)
+                )
         except ApiError as e:  # headers are sent already: report the error in the stream
             self.loop.metrics.count_error(e.status)
             yield R.sse(e.body())
@@ -215,15 +292,23 @@ class _Handlers:
             gen.close()
         yield R.DONE
 
-    async def _stream_chat(self, gen: Generation, rid: str, options: StreamOptions,
-                           sampling: SamplingParams) -> AsyncIterator[str]:
+    async def _stream_chat(
+        self, gen: Generation, rid: str, options: StreamOptions, sampling: SamplingParams
+    ) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
         usage = self._stream_usage(gen, options, sampling.n)
         try:
-            for i in range(len(trackers)):  # each choice opens with the role, as OpenAI's streams do
-                yield R.sse(usage.stamp(R.chat_chunk(rid, created, name, i, {"role": "assistant", "content": ""},
-                                                     None)))
+            for i in range(
+                len(trackers)
+            ):  # each choice opens with the role, as OpenAI's streams do
+                yield R.sse(
+                    usage.stamp(
+                        R.chat_chunk(
+                            rid, created, name, i, {"role": "assistant", "content": ""}, None
+                        )
+                    )
+                )
             async for batch in gen.updates():
                 for i, out in sorted(batch.items()):
                     usage.count(i, out)
@@ -231,9 +316,17 @@ class _Handlers:
                     reason = out.outputs[0].finish_reason if out.finished else None
                     new = trackers[i].new_logprobs(out.outputs[0].logprobs)
                     logprobs = None if new is None else R.chat_logprobs(new, self._decode)
-                    yield R.sse(usage.stamp(R.chat_chunk(rid, created, name, i, {"content": text}, reason, logprobs)))
+                    yield R.sse(
+                        usage.stamp(
+                            R.chat_chunk(rid, created, name, i, {"content": text}, reason, logprobs)
+                        )
+                    )
             if options.include_usage:
-                yield R.sse(R.usage_chunk(rid, created, name, "chat.completion.chunk", gen.outputs(), sampling.n))
+                yield R.sse(
+                    R.usage_chunk(
+                        rid, created, name, "chat.completion.chunk", gen.outputs(), sampling.n
+                    )
+                )
         except ApiError as e:
             self.loop.metrics.count_error(e.status)
             yield R.sse(e.body())
@@ -243,9 +336,15 @@ class _Handlers:
 
     # --- model and tokenizer -------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "plaserve",
-                "root": self.model_path or self.model_name, "parent": None,
-                "max_model_len": self.limits.max_model_len}
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "plaserve",
+            "root": self.model_path or self.model_name,
+            "parent": None,
+            "max_model_len": self.limits.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def tokenize(self, request: Request) -> Response:
@@ -255,7 +354,9 @@ class _Handlers:
             ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
         else:
             ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-        return JSONResponse({"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids})
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids}
+        )
 
     # --- health and load -----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -270,15 +371,30 @@ class _Handlers:
 
     async def load(self, request: Request) -> Response:
         snap = self.loop.snapshot()
-        return JSONResponse({**snap.load, "pending": snap.pending, "num_tokens": snap.num_tokens,
-                             "timestamp": snap.time, "age_s": snap.age})
+        return JSONResponse(
+            {
+                **snap.load,
+                "pending": snap.pending,
+                "num_tokens": snap.num_tokens,
+                "timestamp": snap.time,
+                "age_s": snap.age,
+            }
+        )
 
     async def get_load(self, request: Request) -> Response:
         snap = self.loop.snapshot()
         queued = sum(snap.load["queued"].values())
         running = sum(snap.load["running"].values())
-        return JSONResponse([{"dp_rank": 0, "num_reqs": queued + running + snap.pending,
-                              "num_waiting_reqs": queued + snap.pending, "num_tokens": snap.num_tokens}])
+        return JSONResponse(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": queued + running + snap.pending,
+                    "num_waiting_reqs": queued + snap.pending,
+                    "num_tokens": snap.num_tokens,
+                }
+            ]
+        )
 
     async def get_server_info(self, request: Request) -> Response:
         snap = self.loop.snapshot()
@@ -287,15 +403,26 @@ class _Handlers:
         return JSONResponse({**self.server_info, **state, "internal_states": [state]})
 
     async def get_model_info(self, request: Request) -> Response:
-        return JSONResponse({"model_path": self.server_info["model_path"],
-                             "tokenizer_path": self.server_info["tokenizer_path"],
-                             "served_model_name": self.model_name, "is_generation": True,
-                             "max_context_length": self.limits.max_model_len, "vocab_size": self.limits.vocab_size,
-                             "random_weights": self.server_info["random_weights"]})
+        return JSONResponse(
+            {
+                "model_path": self.server_info["model_path"],
+                "tokenizer_path": self.server_info["tokenizer_path"],
+                "served_model_name": self.model_name,
+                "is_generation": True,
+                "max_context_length": self.limits.max_model_len,
+                "vocab_size": self.limits.vocab_size,
+                "random_weights": self.server_info["random_weights"],
+            }
+        )
 
 
-def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, api_key: str | None = None,
-              http_limits: HttpLimits = HttpLimits()) -> ErrorGuard:
+def build_app(
+    engine_loop: EngineLoop,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    http_limits: HttpLimits = HttpLimits(),
+) -> ErrorGuard:
     """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
     on startup and stops it on shutdown."""
     h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name, http_limits)
@@ -311,11 +438,16 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, 
     async def on_http_exception(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         count_error(exc.status_code)
-        return JSONResponse(error_body(exc.status_code, exc.detail), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(
+            error_body(exc.status_code, exc.detail),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        if isinstance(exc, ClientDisconnect):  # the client left: nobody to answer, nothing to report
+        if isinstance(
+            exc, ClientDisconnect
+        ):  # the client left: nobody to answer, nothing to report
             count_error(499)
             return Response(status_code=499)
         log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
@@ -342,7 +474,18 @@ def build_app(engine_loop: EngineLoop, *, served_model_name: str | None = None, 
         Route("/model_info", h.get_model_info, methods=["GET"]),
         Route("/get_model_info", h.get_model_info, methods=["GET"]),
     ]
-    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key, on_reject=count_error)] if api_key else []
-    return ErrorGuard(Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                                exception_handlers={ApiError: on_api_error, HTTPException: on_http_exception,
-                                                    Exception: on_error}))
+    middleware = (
+        [Middleware(ApiKeyMiddleware, api_key=api_key, on_reject=count_error)] if api_key else []
+    )
+    return ErrorGuard(
+        Starlette(
+            routes=routes,
+            middleware=middleware,
+            lifespan=lifespan,
+            exception_handlers={
+                ApiError: on_api_error,
+                HTTPException: on_http_exception,
+                Exception: on_error,
+            },
+        )
+    )

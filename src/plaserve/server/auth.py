@@ -21,7 +21,9 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 class ApiKeyMiddleware:
     """Answers 401 to requests without the right bearer token; ``on_reject`` is told of each one."""
 
-    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, on_reject: Callable[[int], None] | None = None
+    ) -> None:
         self.app = app
         self.expected = api_key.encode()
         self.on_reject = on_reject
@@ -33,12 +35,17 @@ class ApiKeyMiddleware:
         auth = Headers(scope=scope).get("authorization", "")
         scheme, _, token = auth.partition(" ")
         # compare_digest: the time taken must not reveal how much of a guessed key was right.
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.expected):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), self.expected
+        ):
             if self.on_reject is not None:
                 self.on_reject(401)
             message = "missing API key" if not auth else "invalid API key"
-            error = ApiError(401, f"{message}: send 'Authorization: Bearer <key>'",
-                             headers={"WWW-Authenticate": "Bearer"})
+            error = ApiError(
+                401,
+                f"{message}: send 'Authorization: Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

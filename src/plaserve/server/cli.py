@@ -21,44 +21,107 @@ log = logging.getLogger(__name__)
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's flags."""
-    p.add_argument("model", nargs="?", default=None,
-                   help="local Hugging Face model directory (default: the embedded random-weight model)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face model directory (default: the embedded random-weight model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    p.add_argument("--policy", default=None, help="scheduling policy, e.g. pla, fcfs, spf (default: the engine's)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (prompt + output) in tokens")
-    p.add_argument("--kv-cache-memory", default="auto", help="KV cache size: bytes, 2GiB, or a fraction like 0.5")
-    p.add_argument("--cuda-graph-memory", default="1GiB",
-                   help="activation memory the captured (batch, bucket) grid may take: bytes, 1GiB, or a fraction")
-    p.add_argument("--profile", default=None, help="calibrated cost profile (from `plaserve calibrate`)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health, /metrics)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="requests allowed to wait before new ones get 429 (default: unbounded)")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: the directory name)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests holding KV blocks at once")
-    p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32), float32, "
-                        "bfloat16 or float16")
+    p.add_argument(
+        "--policy",
+        default=None,
+        help="scheduling policy, e.g. pla, fcfs, spf (default: the engine's)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (prompt + output) in tokens"
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        default="auto",
+        help="KV cache size: bytes, 2GiB, or a fraction like 0.5",
+    )
+    p.add_argument(
+        "--cuda-graph-memory",
+        default="1GiB",
+        help="activation memory the captured (batch, bucket) grid may take: bytes, 1GiB, or a fraction",
+    )
+    p.add_argument(
+        "--profile", default=None, help="calibrated cost profile (from `plaserve calibrate`)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (not on /health, /metrics)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests allowed to wait before new ones get 429 (default: unbounded)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in the API (default: the directory name)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=int, default=None, help="requests holding KV blocks at once"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32), float32, "
+        "bfloat16 or float16",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-online-refit", action="store_true",
-                   help="keep the cost model fixed (default: refit it on the engine's own prefill timings)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="CPU: run the elementwise kernels eagerly (default: torch.compile them for large steps)")
-    p.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)")
-    http = p.add_argument_group("HTTP limits", "what one connection or request may take of the server")
-    http.add_argument("--header-timeout", type=float, default=10.0,
-                      help="seconds a request's headers may take to arrive, from the connection opening or the "
-                           "request's first byte (default 10)")
+    p.add_argument(
+        "--no-online-refit",
+        action="store_true",
+        help="keep the cost model fixed (default: refit it on the engine's own prefill timings)",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="CPU: run the elementwise kernels eagerly (default: torch.compile them for large steps)",
+    )
+    p.add_argument(
+        "--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)"
+    )
+    http = p.add_argument_group(
+        "HTTP limits", "what one connection or request may take of the server"
+    )
+    http.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive, from the connection opening or the "
+        "request's first byte (default 10)",
+    )
     # Longer than clients keep idle pooled connections (aiohttp 15 s, httpx 5 s): then the client, not
     # the server, closes an idle connection, and no request races a server-side close.
-    http.add_argument("--idle-timeout", type=float, default=20.0,
-                      help="seconds an idle keep-alive connection stays open between requests (default 20)")
-    http.add_argument("--body-timeout", type=float, default=60.0,
-                      help="seconds a request body may take to arrive once its headers are in (default 60)")
-    http.add_argument("--max-body-size", default="32MiB", help="largest request body, e.g. 32MiB (default)")
-    sched = p.add_argument_group("scheduling", "the step policies' knobs (the length threshold, long chunk size "
-                                               "and batch window come from --profile)")
+    http.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=20.0,
+        help="seconds an idle keep-alive connection stays open between requests (default 20)",
+    )
+    http.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request body may take to arrive once its headers are in (default 60)",
+    )
+    http.add_argument(
+        "--max-body-size", default="32MiB", help="largest request body, e.g. 32MiB (default)"
+    )
+    sched = p.add_argument_group(
+        "scheduling",
+        "the step policies' knobs (the length threshold, long chunk size "
+        "and batch window come from --profile)",
+    )
     for flag, type_, help_ in SCHEDULER_FLAGS:
         sched.add_argument(flag, type=type_, default=None, help=help_)
 
@@ -66,20 +129,34 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 # Scheduler knobs a deployment may want to set: (flag, type, help). Each sets the SchedulerConfig field
 # of the flag's name; unset ones keep the engine's defaults.
 SCHEDULER_FLAGS: list[tuple[str, type, str]] = [
-    ("--max-num-batched-tokens", int, "fcfs/spf: tokens per step; pla: most tokens in one short batch"),
+    (
+        "--max-num-batched-tokens",
+        int,
+        "fcfs/spf: tokens per step; pla: most tokens in one short batch",
+    ),
     ("--ttft-slo-factor", float, "TTFT SLO = max(floor, factor x predicted isolated prefill time)"),
     ("--ttft-slo-floor", float, "the TTFT SLO's floor, in seconds"),
     ("--max-consecutive-short", int, "pla: short batches in a row while a long prefill waits (K)"),
-    ("--late-yield", float, "pla: a request given up to keep others on time waits behind them for at most "
-                            "this many of its SLOs (higher: fewer SLO misses, a longer tail for the late ones)"),
+    (
+        "--late-yield",
+        float,
+        "pla: a request given up to keep others on time waits behind them for at most "
+        "this many of its SLOs (higher: fewer SLO misses, a longer tail for the late ones)",
+    ),
 ]
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` the flags describe (unset flags keep the engine's defaults)."""
-    kwargs: dict[str, object] = {"model": args.model, "kv_cache_memory": args.kv_cache_memory,
-                                 "max_model_len": args.max_model_len, "dtype": args.dtype, "device": args.device,
-                                 "seed": args.seed, "cuda_graph_memory": args.cuda_graph_memory}
+    kwargs: dict[str, object] = {
+        "model": args.model,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "device": args.device,
+        "seed": args.seed,
+        "cuda_graph_memory": args.cuda_graph_memory,
+    }
     if args.policy is not None:
         kwargs["policy"] = args.policy
     if args.max_num_seqs is not None:
@@ -107,7 +184,9 @@ def http_limits_from_args(args: argparse.Namespace) -> "HttpLimits":
 
     for flag in ("header_timeout", "idle_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})")
+            raise ValueError(
+                f"--{flag.replace('_', '-')} must be positive (got {getattr(args, flag)})"
+            )
     size = parse_memory(args.max_body_size, 0)
     if size < 1:
         raise ValueError(f"--max-body-size must be positive (got {args.max_body_size})")
@@ -147,16 +226,32 @@ def run_serve(args: argparse.Namespace) -> int:
     loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal, model_name=name)
     app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits)
     if engine.loaded.random_weights:
-        print(f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design", file=sys.stderr)
-    print(f"plaserve: serving '{name}' on http://{args.host}:{args.port} (policy {loop.snapshot().load['policy']}, "
-          f"max_model_len {engine.max_model_len})", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            access_log=False, timeout_graceful_shutdown=5, http=http_protocol(args.header_timeout),
-                            timeout_keep_alive=args.idle_timeout)  # type: ignore[arg-type]
+        print(
+            f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design",
+            file=sys.stderr,
+        )
+    print(
+        f"plaserve: serving '{name}' on http://{args.host}:{args.port} (policy {loop.snapshot().load['policy']}, "
+        f"max_model_len {engine.max_model_len})",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        http=http_protocol(args.header_timeout),
+        timeout_keep_alive=args.idle_timeout,
+    )  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     server.run()
     if fatal:
-        print(f"plaserve serve: the engine failed beyond recovery ({fatal[0]!r}); exiting with status 1",
-              file=sys.stderr)
+        print(
+            f"plaserve serve: the engine failed beyond recovery ({fatal[0]!r}); exiting with status 1",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -54,9 +54,16 @@ class ErrorGuard:
             log.error("unanswered error in %s %s: %r", scope.get("method"), scope.get("path"), e)
             body = json.dumps(error_body(500, "internal server error")).encode()
             try:
-                await send({"type": "http.response.start", "status": 500,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 500,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": body})
             except Exception:  # noqa: BLE001 - the client is gone
                 pass
@@ -92,7 +99,9 @@ class _HeaderTimeoutProtocol(H11Protocol):
         if self.transport.is_closing():
             return
         # The cycle now current: the request whose headers complete replaces it.
-        self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout, self.cycle)
+        self._header_timer = self.loop.call_later(
+            self.header_timeout, self._on_header_timeout, self.cycle
+        )
 
     def _on_header_timeout(self, waiting_after: RequestResponseCycle | None) -> None:
         self._header_timer = None
@@ -108,4 +117,6 @@ class _HeaderTimeoutProtocol(H11Protocol):
 
 def http_protocol(header_timeout: float) -> type[H11Protocol]:
     """The protocol class to give ``uvicorn.Config(http=...)``: h11 with a header-read timeout."""
-    return type("HeaderTimeoutH11Protocol", (_HeaderTimeoutProtocol,), {"header_timeout": header_timeout})
+    return type(
+        "HeaderTimeoutH11Protocol", (_HeaderTimeoutProtocol,), {"header_timeout": header_timeout}
+    )

@@ -36,7 +36,7 @@ class DeltaTracker:
         end = len(text) if finished else len(text) - stop_prefix_len(text, self.stops)
         if end <= self.sent:
             return ""
-        out = text[self.sent:end]
+        out = text[self.sent : end]
         self.sent = end
         return out
 
@@ -45,6 +45,6 @@ class DeltaTracker:
         tokens arrive: a token whose text is held back still has its logprobs sent."""
         if entries is None:
             return None
-        new = entries[self.logprobs_sent:]
+        new = entries[self.logprobs_sent :]
         self.logprobs_sent = len(entries)
         return new

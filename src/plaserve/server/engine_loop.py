@@ -44,7 +44,9 @@ class OutputSink:
     """Where one request's outputs go: an asyncio queue on the HTTP event loop, items tagged with the
     request's choice ``index`` (one HTTP request may carry several prompts sharing one queue)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0
+    ) -> None:
         self.loop = loop
         self.queue = queue
         self.index = index
@@ -90,7 +92,9 @@ class EngineSnapshot:
     num_tokens: int  # prompt + generated tokens of every unfinished request
     pending: int  # submissions in the inbox, not yet in the engine
     time: float  # time.time() when taken
-    monotonic: float = 0.0  # time.monotonic() when taken: what ``GET /load``'s ``age_s`` is measured from
+    monotonic: float = (
+        0.0  # time.monotonic() when taken: what ``GET /load``'s ``age_s`` is measured from
+    )
 
     @property
     def age(self) -> float:
@@ -123,9 +127,18 @@ class EngineLoop:
     good and calls ``on_fatal`` (the server then exits non-zero, for its supervisor to restart it).
     """
 
-    def __init__(self, engine: LLMEngine, *, max_queue: int | None = None, snapshot_interval: float = 0.01,
-                 max_idle_wait: float = 0.05, max_restarts: int = 3, restart_window: float = 60.0,
-                 on_fatal: Callable[[BaseException], None] | None = None, model_name: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_queue: int | None = None,
+        snapshot_interval: float = 0.01,
+        max_idle_wait: float = 0.05,
+        max_restarts: int = 3,
+        restart_window: float = 60.0,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        model_name: str | None = None,
+    ) -> None:
         self.engine = engine
         self.max_queue = max_queue
         self.snapshot_interval = snapshot_interval
@@ -137,7 +150,9 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
         self._in_transit = 0  # submissions taken from the inbox, not yet counted in _num_waiting
-        self._num_waiting = 0  # the engine's waiting requests after the last step (held choices too)
+        self._num_waiting = (
+            0  # the engine's waiting requests after the last step (held choices too)
+        )
         self._stopping = False
         self._error: BaseException | None = None  # set when the loop gave up (see on_fatal)
         self._recovering = False
@@ -169,8 +184,13 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         """True while the engine thread runs and takes requests (not stopping, recovering or given up)."""
-        return (self._thread is not None and self._thread.is_alive() and not self._stopping
-                and self._error is None and not self._recovering)
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and not self._stopping
+            and self._error is None
+            and not self._recovering
+        )
 
     # --- called from HTTP handlers (any thread) ----------------------------------------------
     def snapshot(self) -> EngineSnapshot:
@@ -185,13 +205,22 @@ class EngineLoop:
                 raise EngineStoppedError("the engine is not running")
             if self.max_queue is not None:
                 if len(submissions) > self.max_queue:
-                    raise ValueError(f"the request has {len(submissions)} prompts and choices; this server queues "
-                                     f"at most {self.max_queue} requests at once")
-                queued = self._num_waiting + self._in_transit + sum(isinstance(c, Submission) for c in self._inbox)
+                    raise ValueError(
+                        f"the request has {len(submissions)} prompts and choices; this server queues "
+                        f"at most {self.max_queue} requests at once"
+                    )
+                queued = (
+                    self._num_waiting
+                    + self._in_transit
+                    + sum(isinstance(c, Submission) for c in self._inbox)
+                )
                 if queued + len(submissions) > self.max_queue:
                     backlog = sum(self._snapshot.load.get("backlog_s", {}).values())
-                    raise QueueFullError(f"the request queue is full ({queued} waiting, limit {self.max_queue}); "
-                                         f"retry later", retry_after=backlog)
+                    raise QueueFullError(
+                        f"the request queue is full ({queued} waiting, limit {self.max_queue}); "
+                        f"retry later",
+                        retry_after=backlog,
+                    )
             self._inbox.extend(submissions)
             self._cond.notify()
 
@@ -211,8 +240,13 @@ class EngineLoop:
                 log.exception("engine step failed")
                 if not self._recover(e):
                     break
-        self._fail_all(EngineStoppedError("the engine stopped" if self._error is None
-                                          else f"the engine failed: {self._error!r}"))
+        self._fail_all(
+            EngineStoppedError(
+                "the engine stopped"
+                if self._error is None
+                else f"the engine failed: {self._error!r}"
+            )
+        )
 
     def _serve(self) -> None:
         """Take commands and step until asked to stop; a failing step raises out of here."""
@@ -234,14 +268,21 @@ class EngineLoop:
         """After a failed step: fail what is in flight, reset the engine. False: give up (see class doc)."""
         with self._cond:
             self._recovering = True
-        self._fail_all(EngineFailedError(f"the engine failed ({error!r}) and restarted; this request was "
-                                         f"aborted, retry it"), reason="error")
+        self._fail_all(
+            EngineFailedError(
+                f"the engine failed ({error!r}) and restarted; this request was aborted, retry it"
+            ),
+            reason="error",
+        )
         now = time.monotonic()
         self._restart_times = [t for t in self._restart_times if now - t < self.restart_window]
         fatal: BaseException | None = None
         if len(self._restart_times) >= self.max_restarts:
-            log.critical("engine failed %d times within %.0f s: giving up", len(self._restart_times) + 1,
-                         self.restart_window)
+            log.critical(
+                "engine failed %d times within %.0f s: giving up",
+                len(self._restart_times) + 1,
+                self.restart_window,
+            )
             fatal = error
         else:
             try:
@@ -263,7 +304,9 @@ class EngineLoop:
         self._publish(force=True)
         with self._cond:
             self._recovering = False
-        log.warning("engine restarted after a failure (%d so far); all KV blocks are free", self.restarts)
+        log.warning(
+            "engine restarted after a failure (%d so far); all KV blocks are free", self.restarts
+        )
         return True
 
     def _next_commands(self) -> list[_Command] | None:
@@ -287,8 +330,13 @@ class EngineLoop:
 
     def _add(self, sub: Submission) -> None:
         try:
-            req = self.engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id,
-                                          arrival_time=sub.arrival_time, after=sub.after)
+            req = self.engine.add_request(
+                sub.prompt_token_ids,
+                sub.params,
+                request_id=sub.request_id,
+                arrival_time=sub.arrival_time,
+                after=sub.after,
+            )
         except ValueError as e:  # validated on the HTTP side already; this is the safety net
             sub.sink.put(e)
             return
@@ -305,7 +353,9 @@ class EngineLoop:
             return
         req = tracked.request
         cls = tracked.length_class or self.engine.length_class(req)
-        self.metrics.observe_finish(cls, "abort", None, req.num_prompt_tokens, len(req.output_token_ids))
+        self.metrics.observe_finish(
+            cls, "abort", None, req.num_prompt_tokens, len(req.output_token_ids)
+        )
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -331,7 +381,9 @@ class EngineLoop:
             if tracked.tokens_seen == 0:
                 tracked.length_class = self.engine.length_class(tracked.request)
                 ttft = out.metrics.ttft
-                self.metrics.observe_first_token(tracked.length_class, ttft if ttft is not None else 0.0)
+                self.metrics.observe_first_token(
+                    tracked.length_class, ttft if ttft is not None else 0.0
+                )
             else:
                 self.metrics.observe_token_gap(tracked.length_class, now - tracked.last_token_time)
             tracked.tokens_seen, tracked.last_token_time = n, now
@@ -340,8 +392,14 @@ class EngineLoop:
             cls = tracked.length_class or self.engine.length_class(tracked.request)
             m = out.metrics
             e2e = None if m.finish_time is None else m.finish_time - m.arrival_time
-            self.metrics.observe_finish(cls, out.outputs[0].finish_reason or "stop", e2e, len(out.prompt_token_ids), n,
-                                        times=m)
+            self.metrics.observe_finish(
+                cls,
+                out.outputs[0].finish_reason or "stop",
+                e2e,
+                len(out.prompt_token_ids),
+                n,
+                times=m,
+            )
         tracked.sink.put(out)
 
     def _fail_all(self, error: BaseException, reason: str = "abort") -> None:
@@ -355,7 +413,9 @@ class EngineLoop:
         for tracked in self._tracked.values():
             req = tracked.request
             cls = tracked.length_class or req.length_class
-            self.metrics.observe_finish(cls, reason, None, req.num_prompt_tokens, len(req.output_token_ids))
+            self.metrics.observe_finish(
+                cls, reason, None, req.num_prompt_tokens, len(req.output_token_ids)
+            )
             tracked.sink.put(error)
         self._tracked.clear()
 
@@ -372,5 +432,11 @@ class EngineLoop:
     def _take_snapshot(self, pending: int) -> EngineSnapshot:
         sched = self.engine.scheduler
         num_tokens = sum(r.num_tokens for r in list(sched.waiting) + list(sched.running))
-        return EngineSnapshot(load=self.engine.load_report(), stats=dict(self.engine.stats), num_tokens=num_tokens,
-                              pending=pending, time=time.time(), monotonic=time.monotonic())
+        return EngineSnapshot(
+            load=self.engine.load_report(),
+            stats=dict(self.engine.stats),
+            num_tokens=num_tokens,
+            pending=pending,
+            time=time.time(),
+            monotonic=time.monotonic(),
+        )

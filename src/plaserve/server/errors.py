@@ -36,8 +36,15 @@ _TYPES = {
 class ApiError(Exception):
     """An error the client caused (or a server state it should know about), as an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -53,8 +60,16 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict:
     """OpenAI's error shape; ``type`` follows from the status, ``code`` is a string or null as in
     OpenAI's API (``context_length_exceeded``, ``model_not_found``, ...)."""
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }

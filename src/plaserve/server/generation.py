@@ -15,7 +15,13 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from plaserve.request import RequestOutput, SamplingParams
-from plaserve.server.engine_loop import EngineLoop, EngineStoppedError, OutputSink, QueueFullError, Submission
+from plaserve.server.engine_loop import (
+    EngineLoop,
+    EngineStoppedError,
+    OutputSink,
+    QueueFullError,
+    Submission,
+)
 from plaserve.server.errors import ApiError
 
 T = TypeVar("T")
@@ -28,7 +34,9 @@ class ClientDisconnected(Exception):
 class Generation:
     """The engine requests of one HTTP request; create with :meth:`submit`."""
 
-    def __init__(self, engine_loop: EngineLoop, submissions: list[Submission], queue: asyncio.Queue) -> None:
+    def __init__(
+        self, engine_loop: EngineLoop, submissions: list[Submission], queue: asyncio.Queue
+    ) -> None:
         self.engine_loop = engine_loop
         self.submissions = submissions
         self.queue = queue
@@ -36,8 +44,14 @@ class Generation:
         self._aborted: set[int] = set()
 
     @classmethod
-    def submit(cls, engine_loop: EngineLoop, request_id: str, prompts: list[list[int]],
-               params: list[SamplingParams], n: int = 1) -> "Generation":
+    def submit(
+        cls,
+        engine_loop: EngineLoop,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        n: int = 1,
+    ) -> "Generation":
         """Queue one engine request per prompt (ids ``{request_id}-{i}``), where each run of ``n``
         consecutive prompts is one prompt's choices; 429 when the queue is full, 503 when the engine is
         not running, 400 for more requests than the queue can hold.
@@ -51,13 +65,19 @@ class Generation:
         def leader(i: int) -> str | None:
             return f"{request_id}-{i - i % n}" if i % n else None
 
-        subs = [Submission(f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i), after=leader(i))
-                for i, (ids, p) in enumerate(zip(prompts, params))]
+        subs = [
+            Submission(
+                f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i), after=leader(i)
+            )
+            for i, (ids, p) in enumerate(zip(prompts, params))
+        ]
         try:
             engine_loop.submit(subs)
         except QueueFullError as e:
             retry = max(1, int(-(-e.retry_after // 1)))
-            raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(retry)}) from None
+            raise ApiError(
+                429, str(e), code="queue_full", headers={"Retry-After": str(retry)}
+            ) from None
         except EngineStoppedError as e:
             raise ApiError(503, str(e)) from None
         except ValueError as e:  # larger than the queue: retrying would not help
@@ -81,8 +101,11 @@ class Generation:
                 if isinstance(item, BaseException):
                     raise _as_api_error(item)
                 if item.finished and item.outputs[0].finish_reason == "error":
-                    raise ApiError(500, "the model's logits for this request were not finite (NaN or infinity), "
-                                        "so no token could be sampled; the request failed")
+                    raise ApiError(
+                        500,
+                        "the model's logits for this request were not finite (NaN or infinity), "
+                        "so no token could be sampled; the request failed",
+                    )
                 batch[index] = item
                 if item.finished:
                     self.final[index] = item
@@ -125,6 +148,7 @@ async def until_disconnect(request: HttpRequest, work: Awaitable[T]) -> T:
 
     Only for handlers that have read the whole body: the next ASGI message is then the disconnect.
     """
+
     async def wait_disconnect() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass

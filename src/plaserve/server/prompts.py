@@ -33,7 +33,9 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
     return list(prompt)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def render_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> str:
     """The chat template applied to ``messages``; a missing template or a rejected conversation is a 400."""
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
@@ -41,9 +43,13 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_genera
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
 
-def encode_chat(tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids of a chat prompt. The rendered template already holds the special tokens it wants."""
-    return tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False)
+    return tokenizer.encode(
+        render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False
+    )
 
 
 def check_prompt(token_ids: list[int], limits: ModelLimits, max_tokens: int | None) -> int:
@@ -56,18 +62,31 @@ def check_prompt(token_ids: list[int], limits: ModelLimits, max_tokens: int | No
         raise ApiError(400, "prompt is empty", param="prompt")
     bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})", param="prompt")
+        raise ApiError(
+            400,
+            f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+            param="prompt",
+        )
     n, limit = len(token_ids), limits.max_model_len
     if n >= limit:
-        raise ApiError(413, f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
-                            f"(prompt plus at least one generated token must fit)",
-                       param="prompt", code="context_length_exceeded")
+        raise ApiError(
+            413,
+            f"This model's maximum context length is {limit} tokens; the prompt has {n} tokens "
+            f"(prompt plus at least one generated token must fit)",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         return limit - n
     if n + max_tokens > limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens; you requested {n + max_tokens} "
-                            f"tokens ({n} in the prompt, {max_tokens} for the completion). Reduce the prompt or "
-                            f"max_tokens.", param="max_tokens", code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens; you requested {n + max_tokens} "
+            f"tokens ({n} in the prompt, {max_tokens} for the completion). Reduce the prompt or "
+            f"max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -75,5 +94,8 @@ def check_logit_bias(bias: dict[int, float] | None, limits: ModelLimits) -> None
     """A logit bias on a token the model does not have is a 400 (as vLLM answers)."""
     bad = next((t for t in bias or {} if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"logit_bias token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
-                       param="logit_bias")
+        raise ApiError(
+            400,
+            f"logit_bias token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
+            param="logit_bias",
+        )

@@ -31,8 +31,12 @@ MAX_N = 128  # choices per prompt (OpenAI's limit for chat)
 class StreamOptions:
     """``stream_options`` of a streamed request (all false when not streaming)."""
 
-    include_usage: bool = False  # a last chunk with the request's usage; ``usage: null`` on the others
-    continuous_usage_stats: bool = False  # vLLM's: every chunk with choices carries the usage so far
+    include_usage: bool = (
+        False  # a last chunk with the request's usage; ``usage: null`` on the others
+    )
+    continuous_usage_stats: bool = (
+        False  # vLLM's: every chunk with choices carries the usage so far
+    )
 
 
 @dataclass(frozen=True)
@@ -149,7 +153,9 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 # --- shared fields ------------------------------------------------------------------------------
-MAX_ID_DIGITS = 18  # a token id in a logit_bias key: more digits cannot be an id (and cost int() time)
+MAX_ID_DIGITS = (
+    18  # a token id in a logit_bias key: more digits cannot be an id (and cost int() time)
+)
 
 
 def _parse_logit_bias(value: Any) -> dict[int, float] | None:
@@ -162,7 +168,9 @@ def _parse_logit_bias(value: Any) -> dict[int, float] | None:
     bias = {}
     for key, b in value.items():
         if not (key.isascii() and key.lstrip("-").isdigit() and len(key) <= MAX_ID_DIGITS):
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias")
+            raise ApiError(
+                400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias"
+            )
         if not isinstance(b, (int, float)) or isinstance(b, bool):
             raise _type_error("logit_bias", "an object of token ids to numbers", value)
         bias[int(key)] = float(b)
@@ -190,9 +198,14 @@ def sampling_params(aliases: dict[str, str] | None = None, **fields: Any) -> Sam
         raise ApiError(400, message, param=name) from None
 
 
-def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_tokens",),
-                   logprobs: int | None = None, prompt_logprobs: int | None = None,
-                   aliases: dict[str, str] | None = None) -> SamplingParams:
+def parse_sampling(
+    body: dict,
+    *,
+    max_tokens_names: tuple[str, ...] = ("max_tokens",),
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    aliases: dict[str, str] | None = None,
+) -> SamplingParams:
     """The sampling fields of a body as :class:`SamplingParams` (``max_tokens`` None where the body sets
     none: the endpoint decides). Only JSON types are checked here (422); every range is checked by
     ``SamplingParams`` itself (400 naming the field). ``logprobs``, ``prompt_logprobs``: the endpoint's
@@ -207,8 +220,12 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     if not 1 <= n <= MAX_N:  # an API limit, like --max-queue: the engine takes any n
         raise ApiError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
     best_of = _opt_int(body, "best_of", n)
-    if best_of != n:  # best_of > n would rank by cumulative logprob, which plaserve does not compute
-        raise ApiError(400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of")
+    if (
+        best_of != n
+    ):  # best_of > n would rank by cumulative logprob, which plaserve does not compute
+        raise ApiError(
+            400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of"
+        )
     stop_value = body.get("stop")
     if stop_value is None:
         stop: tuple[str, ...] = ()
@@ -219,9 +236,17 @@ def parse_sampling(body: dict, *, max_tokens_names: tuple[str, ...] = ("max_toke
     else:
         raise _type_error("stop", "a string or an array of strings", stop_value)
     stop_ids = body.get("stop_token_ids")
-    floats = {name: _opt_float(body, name, default) for name, default in
-              (("temperature", 1.0), ("top_p", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-               ("repetition_penalty", 1.0), ("min_p", 0.0))}
+    floats = {
+        name: _opt_float(body, name, default)
+        for name, default in (
+            ("temperature", 1.0),
+            ("top_p", 1.0),
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+            ("min_p", 0.0),
+        )
+    }
     return sampling_params(
         aliases,
         n=n,
@@ -250,13 +275,23 @@ def _parse_stream(body: dict) -> tuple[bool, StreamOptions]:
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     if not stream:
-        raise ApiError(400, "'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return stream, StreamOptions(include_usage=_opt_bool(options, "include_usage", False),
-                                 continuous_usage_stats=_opt_bool(options, "continuous_usage_stats", False))
+        raise ApiError(
+            400, "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+        )
+    return stream, StreamOptions(
+        include_usage=_opt_bool(options, "include_usage", False),
+        continuous_usage_stats=_opt_bool(options, "continuous_usage_stats", False),
+    )
 
 
 # vLLM's: the older guided_* fields and structured_outputs, which replaced them
-_GUIDED_DECODING_EXTRAS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+_GUIDED_DECODING_EXTRAS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 
 
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
@@ -269,8 +304,12 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
             raise _type_error("response_format", "an object", response_format)
         kind = response_format.get("type")
         if kind != "text":
-            raise ApiError(400, f"guided decoding (response_format of type {kind!r}) is not supported; "
-                                "only 'text' is", param="response_format")
+            raise ApiError(
+                400,
+                f"guided decoding (response_format of type {kind!r}) is not supported; "
+                "only 'text' is",
+                param="response_format",
+            )
     for name in _GUIDED_DECODING_EXTRAS:
         if body.get(name) is not None:
             raise ApiError(400, f"guided decoding ({name}) is not supported", param=name)
@@ -281,10 +320,14 @@ def _refuse_unsupported(body: dict, *, chat: bool) -> None:
         if value is not None and not isinstance(value, list):
             raise _type_error(name, "an array", value)
         if value:
-            raise ApiError(400, f"tool calling is not supported ('{name}' must be empty)", param=name)
+            raise ApiError(
+                400, f"tool calling is not supported ('{name}' must be empty)", param=name
+            )
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
-            raise ApiError(400, f"tool calling is not supported ('{name}' may only be \"none\")", param=name)
+            raise ApiError(
+                400, f"tool calling is not supported ('{name}' may only be \"none\")", param=name
+            )
 
 
 def _parse_messages(body: dict) -> tuple[dict[str, str], ...]:
@@ -310,8 +353,16 @@ def _parse_messages(body: dict) -> tuple[dict[str, str], ...]:
         elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"{name}.content: only text parts are supported", param=f"{name}.content")
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise ApiError(
+                        400,
+                        f"{name}.content: only text parts are supported",
+                        param=f"{name}.content",
+                    )
                 parts.append(part["text"])
             content = "".join(parts)
         elif not isinstance(content, str):
@@ -346,21 +397,35 @@ def parse_completion_request(body: dict) -> CompletionRequest:
     if _opt_str(body, "suffix"):
         raise ApiError(400, "suffix is not supported", param="suffix")
     _refuse_unsupported(body, chat=False)
-    return CompletionRequest(model=_opt_str(body, "model"), prompts=parse_prompts(body["prompt"]), stream=stream,
-                             stream_options=stream_options, echo=echo,
-                             sampling=parse_sampling(body, logprobs=logprobs,
-                                                     prompt_logprobs=logprobs if echo else None))
+    return CompletionRequest(
+        model=_opt_str(body, "model"),
+        prompts=parse_prompts(body["prompt"]),
+        stream=stream,
+        stream_options=stream_options,
+        echo=echo,
+        sampling=parse_sampling(
+            body, logprobs=logprobs, prompt_logprobs=logprobs if echo else None
+        ),
+    )
 
 
 def parse_chat_request(body: dict) -> ChatRequest:
     """Parse a ``/v1/chat/completions`` body (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
     stream, stream_options = _parse_stream(body)
     _refuse_unsupported(body, chat=True)
-    return ChatRequest(model=_opt_str(body, "model"), messages=_parse_messages(body), stream=stream,
-                       stream_options=stream_options,
-                       add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-                       sampling=parse_sampling(body, max_tokens_names=("max_completion_tokens", "max_tokens"),
-                                               logprobs=_chat_logprobs(body), aliases={"logprobs": "top_logprobs"}))
+    return ChatRequest(
+        model=_opt_str(body, "model"),
+        messages=_parse_messages(body),
+        stream=stream,
+        stream_options=stream_options,
+        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
+        sampling=parse_sampling(
+            body,
+            max_tokens_names=("max_completion_tokens", "max_tokens"),
+            logprobs=_chat_logprobs(body),
+            aliases={"logprobs": "top_logprobs"},
+        ),
+    )
 
 
 def parse_tokenize_request(body: dict) -> TokenizeRequest:
@@ -371,7 +436,10 @@ def parse_tokenize_request(body: dict) -> TokenizeRequest:
     prompt = _opt_str(body, "prompt") if has_prompt else None
     if has_prompt and prompt is None:
         raise _type_error("prompt", "a string", None)
-    return TokenizeRequest(model=_opt_str(body, "model"), prompt=prompt,
-                           messages=_parse_messages(body) if has_messages else None,
-                           add_special_tokens=_opt_bool(body, "add_special_tokens", has_prompt),
-                           add_generation_prompt=_opt_bool(body, "add_generation_prompt", True))
+    return TokenizeRequest(
+        model=_opt_str(body, "model"),
+        prompt=prompt,
+        messages=_parse_messages(body) if has_messages else None,
+        add_special_tokens=_opt_bool(body, "add_special_tokens", has_prompt),
+        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
+    )

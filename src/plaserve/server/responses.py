@@ -10,7 +10,9 @@ from plaserve.server.protocol import StreamOptions
 
 DONE = "data: [DONE]\n\n"
 Decode = Callable[[int], str]  # one token id to its text
-_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinities), as vLLM does
+_FLOOR = (
+    -9999.0
+)  # what a log-probability of -inf is reported as (JSON has no infinities), as vLLM does
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -20,8 +22,11 @@ def sse(payload: dict[str, Any]) -> str:
 
 def token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """The three counts every ``usage`` object has."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def usage(outputs: Sequence[RequestOutput], n: int = 1) -> dict[str, Any]:
@@ -42,7 +47,9 @@ class StreamUsage:
     choices of a prompt counts its tokens, the prompt counts once), so the last running counts equal the
     final ones, less ``prompt_tokens_details``."""
 
-    def __init__(self, options: StreamOptions, prompts: Sequence[Sequence[int]], n: int = 1) -> None:
+    def __init__(
+        self, options: StreamOptions, prompts: Sequence[Sequence[int]], n: int = 1
+    ) -> None:
         self.options = options
         self.prompt_tokens = sum(len(p) for p in prompts[::n])
         self.completion_tokens = [0] * len(prompts)  # per choice
@@ -60,8 +67,9 @@ class StreamUsage:
         return chunk
 
 
-def completion_logprobs(tokens: Sequence[tuple[int, TokenLogprobs | None]], decode: Decode,
-                        text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokens: Sequence[tuple[int, TokenLogprobs | None]], decode: Decode, text_offset: int = 0
+) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object of ``(token id, its logprobs)`` pairs (None: the first
     prompt token, which has none); ``top_logprobs`` holds the sampled token besides the most likely ones,
     as OpenAI's does. Offsets count from ``text_offset``."""
@@ -70,15 +78,24 @@ def completion_logprobs(tokens: Sequence[tuple[int, TokenLogprobs | None]], deco
         texts.append(decode(token_id))
         offsets.append(text_offset)
         text_offset += len(texts[-1])
-    return {"tokens": texts, "token_logprobs": [None if e is None else max(e.logprob, _FLOOR) for _, e in tokens],
-            "top_logprobs": [None if e is None else {decode(t): max(lp, _FLOOR) for t, lp in (*e.top, (t0, e.logprob))}
-                             for t0, e in tokens],
-            "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": [None if e is None else max(e.logprob, _FLOOR) for _, e in tokens],
+        "top_logprobs": [
+            None
+            if e is None
+            else {decode(t): max(lp, _FLOOR) for t, lp in (*e.top, (t0, e.logprob))}
+            for t0, e in tokens
+        ],
+        "text_offset": offsets,
+    }
 
 
 def prompt_pairs(out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
     """The prompt's ``(token id, logprobs)`` pairs of an echoed choice (empty without prompt logprobs)."""
-    return [] if out.prompt_logprobs is None else list(zip(out.prompt_token_ids, out.prompt_logprobs))
+    return (
+        [] if out.prompt_logprobs is None else list(zip(out.prompt_token_ids, out.prompt_logprobs))
+    )
 
 
 def output_pairs(entries: Sequence[TokenLogprobs]) -> list[tuple[int, TokenLogprobs | None]]:
@@ -87,61 +104,142 @@ def output_pairs(entries: Sequence[TokenLogprobs]) -> list[tuple[int, TokenLogpr
 
 def chat_logprobs(entries: Sequence[TokenLogprobs], decode: Decode) -> dict[str, Any]:
     """The chat ``logprobs`` object of ``entries``: each token with its UTF-8 bytes and its alternatives."""
+
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = decode(token_id)
         return {"token": text, "logprob": max(logprob, _FLOOR), "bytes": list(text.encode())}
 
-    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries]}
+    return {
+        "content": [
+            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+    }
 
 
 def _stop_reason(out: RequestOutput) -> str | int | None:
     return out.outputs[0].stop_reason
 
 
-def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1,
-                        decode: Decode | None = None, echo: Sequence[str] | None = None) -> dict[str, Any]:
+def completion_response(
+    rid: str,
+    created: int,
+    model: str,
+    outputs: Sequence[RequestOutput],
+    n: int = 1,
+    decode: Decode | None = None,
+    echo: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """The body of a finished ``/v1/completions`` request (``decode``: for choices with logprobs;
     ``echo``: each choice's prompt text, to lead its text and logprobs)."""
     choices = []
     for i, o in enumerate(outputs):
         logprobs = None
         if o.outputs[0].logprobs is not None and decode is not None:
-            logprobs = completion_logprobs((prompt_pairs(o) if echo else []) + output_pairs(o.outputs[0].logprobs),
-                                           decode)
-        choices.append({"index": i, "text": (echo[i] if echo else "") + o.outputs[0].text, "logprobs": logprobs,
-                        "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)})
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(outputs, n)}
+            logprobs = completion_logprobs(
+                (prompt_pairs(o) if echo else []) + output_pairs(o.outputs[0].logprobs), decode
+            )
+        choices.append(
+            {
+                "index": i,
+                "text": (echo[i] if echo else "") + o.outputs[0].text,
+                "logprobs": logprobs,
+                "finish_reason": o.outputs[0].finish_reason,
+                "stop_reason": _stop_reason(o),
+            }
+        )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outputs, n),
+    }
 
 
-def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput], n: int = 1,
-                  decode: Decode | None = None) -> dict[str, Any]:
+def chat_response(
+    rid: str,
+    created: int,
+    model: str,
+    outputs: Sequence[RequestOutput],
+    n: int = 1,
+    decode: Decode | None = None,
+) -> dict[str, Any]:
     """The body of a finished ``/v1/chat/completions`` request (``decode``: for choices with logprobs)."""
-    choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
-                "logprobs": None if o.outputs[0].logprobs is None or decode is None
-                else chat_logprobs(o.outputs[0].logprobs, decode),
-                "finish_reason": o.outputs[0].finish_reason, "stop_reason": _stop_reason(o)}
-               for i, o in enumerate(outputs)]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(outputs, n)}
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": o.outputs[0].text},
+            "logprobs": None
+            if o.outputs[0].logprobs is None or decode is None
+            else chat_logprobs(o.outputs[0].logprobs, decode),
+            "finish_reason": o.outputs[0].finish_reason,
+            "stop_reason": _stop_reason(o),
+        }
+        for i, o in enumerate(outputs)
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outputs, n),
+    }
 
 
-def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def completion_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One streamed piece of a completion (its ``usage`` field: :meth:`StreamUsage.stamp`)."""
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
 
 
-def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict[str, str], finish_reason: str | None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict[str, str],
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One streamed piece of a chat completion (its ``usage`` field: :meth:`StreamUsage.stamp`)."""
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ],
+    }
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, outputs: Sequence[RequestOutput],
-                n: int = 1) -> dict[str, Any]:
+def usage_chunk(
+    rid: str, created: int, model: str, obj: str, outputs: Sequence[RequestOutput], n: int = 1
+) -> dict[str, Any]:
     """The last chunk of a stream with ``include_usage``: no choices, the usage of the whole request."""
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(outputs, n)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(outputs, n),
+    }

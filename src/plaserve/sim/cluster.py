@@ -40,10 +40,6 @@ from typing import Any
 
 import torch
 
-from plaserve.workload.trace import fit_to_context
-from plaserve.workload.report import RequestRecord, summarize
-from plaserve.workload.slo import TtftSlo, cost_from_load
-from plaserve.workload.trace import TraceRequest
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine, prefill_left
 from plaserve.request import RequestOutput, SamplingParams
@@ -55,6 +51,9 @@ from plaserve.router.workers import LoadReport, Worker
 from plaserve.sim.profiles import SimProfile
 from plaserve.sim.runner import CostRunner, SimClock
 from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S
+from plaserve.workload.report import RequestRecord, summarize
+from plaserve.workload.slo import TtftSlo, cost_from_load
+from plaserve.workload.trace import TraceRequest, fit_to_context
 
 # Event priorities at equal times (module docstring).
 DELIVER, POLL, ARRIVAL, TICK, RELEASE, STEP = range(6)
@@ -77,13 +76,17 @@ class ClusterConfig:
     instances: int = 1
     scheduler: str = "pla"  # the engines' step policy
     router: RouterConfig = field(default_factory=RouterConfig)
-    slo_factor: float = DEFAULT_FACTOR  # TTFT SLO = max(floor, factor x predicted isolated prefill): plaserve.slo
+    slo_factor: float = (
+        DEFAULT_FACTOR  # TTFT SLO = max(floor, factor x predicted isolated prefill): plaserve.slo
+    )
     slo_floor_s: float = DEFAULT_FLOOR_S
     drain_s: float | None = None
     report_threshold: int | None = None
     seed: int = 0  # prompt token ids
     frontend_delay_s: float = 0.0
-    engine_overrides: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields on top of the profile's
+    engine_overrides: dict[str, Any] = field(
+        default_factory=dict
+    )  # EngineConfig fields on top of the profile's
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -134,11 +137,19 @@ class SimResult:
         out = summarize(self.records, self.duration_s)
         out["instances"] = [s.as_dict() for s in self.instances]
         out["load_skew"] = self.load_skew
-        out["simulation"] = {"profile": self.profile.describe(), "analytic": self.profile.analytic,
-                             "instances": self.config.instances, "scheduler": self.config.scheduler,
-                             "router": self.config.router.policy, "duration_s": self.duration_s,
-                             "wall_s": self.wall_s, "events": self.events, "pool_resizes": self.pool_resizes,
-                             "frontend_delay_s": self.config.frontend_delay_s, "slo": self.slo.describe()}
+        out["simulation"] = {
+            "profile": self.profile.describe(),
+            "analytic": self.profile.analytic,
+            "instances": self.config.instances,
+            "scheduler": self.config.scheduler,
+            "router": self.config.router.policy,
+            "duration_s": self.duration_s,
+            "wall_s": self.wall_s,
+            "events": self.events,
+            "pool_resizes": self.pool_resizes,
+            "frontend_delay_s": self.config.frontend_delay_s,
+            "slo": self.slo.describe(),
+        }
         return out
 
 
@@ -169,9 +180,12 @@ class _Instance:
     def __init__(self, index: int, profile: SimProfile, config: ClusterConfig) -> None:
         self.index = index
         self.clock = SimClock()
-        self.engine = LLMEngine(profile.engine_config(config.scheduler, **config.engine_overrides),
-                                runner=_Runner(profile.cost, self.clock),
-                                cost=profile.cost, clock=self.clock)
+        self.engine = LLMEngine(
+            profile.engine_config(config.scheduler, **config.engine_overrides),
+            runner=_Runner(profile.cost, self.clock),
+            cost=profile.cost,
+            clock=self.clock,
+        )
         self.worker = Worker(f"sim://instance-{index}", profile.cost, config.router.breaker)
         self.worker.supports_load = True
         self.inbox: list[_Pending] = []
@@ -197,7 +211,9 @@ def _prefill_done(engine: LLMEngine) -> float:
         req = it.request
         prompt, after = req.num_prompt_tokens, req.num_computed_tokens
         if after - it.num_tokens < prompt:  # a prefill item (decodes have nothing left to price)
-            done += prefill_left(cost, prompt, after - it.num_tokens) - prefill_left(cost, prompt, after)
+            done += prefill_left(cost, prompt, after - it.num_tokens) - prefill_left(
+                cost, prompt, after
+            )
     return done
 
 
@@ -210,8 +226,12 @@ class ClusterSim:
         self.cost: CostModel = profile.cost
         self.threshold = profile.profile.short_threshold
         self.report_threshold = config.report_threshold or self.threshold
-        self.slo = TtftSlo(factor=config.slo_factor, floor_s=config.slo_floor_s, short_threshold=self.report_threshold,
-                           cost=cost_from_load({"cost_model": self.cost.as_dict()}))
+        self.slo = TtftSlo(
+            factor=config.slo_factor,
+            floor_s=config.slo_floor_s,
+            short_threshold=self.report_threshold,
+            cost=cost_from_load({"cost_model": self.cost.as_dict()}),
+        )
         self.instances = [_Instance(i, profile, config) for i in range(config.instances)]
         self.workers = [inst.worker for inst in self.instances]
         self._by_worker = {id(inst.worker): inst for inst in self.instances}
@@ -221,7 +241,9 @@ class ClusterSim:
         self.dispatcher: DispatchCore[_Pending] = DispatchCore(self.policy, lambda: self.workers)
         self.max_model_len = self.instances[0].engine.max_model_len
         self._vocab = self.instances[0].engine.model_config.vocab_size
-        self._tokens: torch.Tensor | None = None  # every prompt's random ids, drawn at once in run()
+        self._tokens: torch.Tensor | None = (
+            None  # every prompt's random ids, drawn at once in run()
+        )
         self._offsets: list[int] = []
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -254,8 +276,14 @@ class ClusterSim:
     # --- the router ------------------------------------------------------------------------------
     def _arrive(self, rid: int, req: TraceRequest, t: float) -> None:
         cls = SHORT if req.prompt_tokens < self.threshold else LONG
-        p = _Pending(rid, Job((req.prompt_tokens,), cls, t), req,
-                     prompt=self._tokens[self._offsets[rid]:self._offsets[rid] + req.prompt_tokens].tolist())
+        p = _Pending(
+            rid,
+            Job((req.prompt_tokens,), cls, t),
+            req,
+            prompt=self._tokens[
+                self._offsets[rid] : self._offsets[rid] + req.prompt_tokens
+            ].tolist(),
+        )
         self.outstanding += 1
         placed = self.dispatcher.place(p, t)
         if placed is None:
@@ -284,9 +312,14 @@ class ClusterSim:
         """Every worker's ``/load`` answer, as the router's monitor records it."""
         for inst in self.instances:
             state = (inst.engine.num_steps, inst.added)
-            if state != inst.poll_state:  # an engine that has not stepped or taken work reports the same
+            if (
+                state != inst.poll_state
+            ):  # an engine that has not stepped or taken work reports the same
                 load = inst.engine.load_report()
-                inst.poll_state, inst.poll_value = state, (sum(load["backlog_s"].values()), load["num_requests"])
+                inst.poll_state, inst.poll_value = (
+                    state,
+                    (sum(load["backlog_s"].values()), load["num_requests"]),
+                )
             backlog, n = inst.poll_value
             as_of = t
             if inst.busy_until > t:  # mid-step: the worker reports its state as the step started
@@ -301,8 +334,12 @@ class ClusterSim:
         engine = inst.engine
         inst.clock.advance_to(t)
         for p in inst.inbox:
-            params = SamplingParams(max_tokens=p.request.output_tokens, temperature=0, ignore_eos=True)
-            req = engine.add_request(p.prompt, params, arrival_time=p.request.arrival + self.config.frontend_delay_s)
+            params = SamplingParams(
+                max_tokens=p.request.output_tokens, temperature=0, ignore_eos=True
+            )
+            req = engine.add_request(
+                p.prompt, params, arrival_time=p.request.arrival + self.config.frontend_delay_s
+            )
             req.detokenizer = None  # no text in a simulation (module docstring)
             p.prompt = None
             inst.tracked[req.request_id] = p
@@ -313,9 +350,11 @@ class ClusterSim:
             wake = engine.next_wakeup()
             if wake is not None:
                 if wake <= t:
-                    raise RuntimeError(f"instance {inst.index}: the scheduler ran nothing at t={t:.6f} although it "
-                                       f"has work now ({len(engine.scheduler.waiting)} waiting, "
-                                       f"{len(engine.scheduler.running)} running)")
+                    raise RuntimeError(
+                        f"instance {inst.index}: the scheduler ran nothing at t={t:.6f} although it "
+                        f"has work now ({len(engine.scheduler.waiting)} waiting, "
+                        f"{len(engine.scheduler.running)} running)"
+                    )
                 self._schedule_step(inst, wake)
             return None
         end = inst.clock.now
@@ -347,11 +386,20 @@ class ClusterSim:
         if self.dispatcher.held:
             self._release(t)
 
-    def _record(self, p: _Pending, out: RequestOutput | None, error: str | None = None) -> RequestRecord:
+    def _record(
+        self, p: _Pending, out: RequestOutput | None, error: str | None = None
+    ) -> RequestRecord:
         req = p.request
-        rec = RequestRecord(length_class="short" if req.prompt_tokens < self.report_threshold else "long",
-                            prompt_tokens=req.prompt_tokens, output_tokens=0, arrival=req.arrival, ttft=None,
-                            e2e=None, slo_ttft=self.slo.for_prompt(req.prompt_tokens), error=error)
+        rec = RequestRecord(
+            length_class="short" if req.prompt_tokens < self.report_threshold else "long",
+            prompt_tokens=req.prompt_tokens,
+            output_tokens=0,
+            arrival=req.arrival,
+            ttft=None,
+            e2e=None,
+            slo_ttft=self.slo.for_prompt(req.prompt_tokens),
+            error=error,
+        )
         if out is not None:
             m = out.metrics
             times = m.token_times
@@ -367,7 +415,9 @@ class ClusterSim:
     def run(self, requests: Sequence[TraceRequest]) -> SimResult:
         """Simulate ``requests`` (arrival times from 0, any order); returns the records and stats."""
         start_wall = time.perf_counter()
-        arrivals = sorted((fit_to_context(r, self.max_model_len) for r in requests), key=lambda r: r.arrival)
+        arrivals = sorted(
+            (fit_to_context(r, self.max_model_len) for r in requests), key=lambda r: r.arrival
+        )
         if not arrivals:
             raise ValueError("no requests to simulate")
         last_arrival = arrivals[-1].arrival
@@ -375,13 +425,21 @@ class ClusterSim:
         # call: per-request draws cost more than a tenth of an hour-long simulation.
         self._offsets = list(itertools.accumulate((r.prompt_tokens for r in arrivals), initial=0))
         gen = torch.Generator().manual_seed(self.config.seed)
-        self._tokens = torch.randint(0, self._vocab, (self._offsets[-1],), generator=gen, dtype=torch.int16)
-        stop_at = None if self.config.drain_s is None else last_arrival + self.config.frontend_delay_s + self.config.drain_s
+        self._tokens = torch.randint(
+            0, self._vocab, (self._offsets[-1],), generator=gen, dtype=torch.int16
+        )
+        stop_at = (
+            None
+            if self.config.drain_s is None
+            else last_arrival + self.config.frontend_delay_s + self.config.drain_s
+        )
         hc = self.config.router
         self._push(0.0, POLL, None)
         self._push(0.0, TICK, None)
         heap, i, n = self._heap, 0, len(arrivals)
-        delay = self.config.frontend_delay_s  # each request reaches the router this long after it was sent
+        delay = (
+            self.config.frontend_delay_s
+        )  # each request reaches the router this long after it was sent
         t = 0.0
         limit = float("inf") if stop_at is None else stop_at
         while i < n or self.outstanding:
@@ -429,15 +487,42 @@ class ClusterSim:
                 if self._release_at == t:
                     self._release(t)
         cut = stop_at is not None and bool(i < n or self.outstanding)
-        end = stop_at if cut else max([r.arrival + r.e2e for r in self.records if r.e2e is not None] + [last_arrival])
+        end = (
+            stop_at
+            if cut
+            else max(
+                [r.arrival + r.e2e for r in self.records if r.e2e is not None] + [last_arrival]
+            )
+        )
         self._fail_leftovers(arrivals[i:])
-        stats = [InstanceStats(inst.index, inst.busy_s, inst.engine.num_steps, inst.worker.requests_total,
-                               inst.prompt_tokens, inst.worker.work_total, inst.engine.num_preemptions)
-                 for inst in self.instances]
-        resizes = sum(r.reason == "pressure" for r in getattr(getattr(self.policy, "pools", None), "history", []))
+        stats = [
+            InstanceStats(
+                inst.index,
+                inst.busy_s,
+                inst.engine.num_steps,
+                inst.worker.requests_total,
+                inst.prompt_tokens,
+                inst.worker.work_total,
+                inst.engine.num_preemptions,
+            )
+            for inst in self.instances
+        ]
+        resizes = sum(
+            r.reason == "pressure"
+            for r in getattr(getattr(self.policy, "pools", None), "history", [])
+        )
         self.records.sort(key=lambda r: r.arrival)
-        return SimResult(self.records, max(end, 1e-9), stats, self.profile, self.config, self.slo,
-                         time.perf_counter() - start_wall, self.events, resizes)
+        return SimResult(
+            self.records,
+            max(end, 1e-9),
+            stats,
+            self.profile,
+            self.config,
+            self.slo,
+            time.perf_counter() - start_wall,
+            self.events,
+            resizes,
+        )
 
     def _fail_leftovers(self, never_arrived: Sequence[TraceRequest]) -> None:
         """Records for requests cut off by ``drain_s``: in flight, held, or not yet arrived."""
@@ -446,14 +531,21 @@ class ClusterSim:
                 self.records.append(self._record(p, None, UNFINISHED))
             for rid, p in inst.tracked.items():
                 req = inst.engine.requests.get(rid)
-                self.records.append(self._record(p, RequestOutput.of(req) if req is not None else None, UNFINISHED))
+                self.records.append(
+                    self._record(p, RequestOutput.of(req) if req is not None else None, UNFINISHED)
+                )
         for p in self.dispatcher.held:
             self.records.append(self._record(p, None, UNFINISHED))
         for r in never_arrived:
-            self.records.append(self._record(_Pending(-1, Job((r.prompt_tokens,), SHORT, r.arrival), r), None,
-                                             UNFINISHED))
+            self.records.append(
+                self._record(
+                    _Pending(-1, Job((r.prompt_tokens,), SHORT, r.arrival), r), None, UNFINISHED
+                )
+            )
 
 
-def simulate(requests: Sequence[TraceRequest], profile: SimProfile, config: ClusterConfig = ClusterConfig()) -> SimResult:
+def simulate(
+    requests: Sequence[TraceRequest], profile: SimProfile, config: ClusterConfig = ClusterConfig()
+) -> SimResult:
     """Simulate ``requests`` on ``config.instances`` instances of ``profile`` (module docstring)."""
     return ClusterSim(profile, config).run(requests)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from plaserve.config import EngineConfig
+from plaserve.cost import HARDWARE, MODELS, analytic_cost
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.profile import Profile, choose_long_chunk_size, choose_short_threshold, choose_window
 from plaserve.scheduler.buckets import MIN_BUCKET
-from plaserve.cost import HARDWARE, MODELS, analytic_cost
 
 ANALYTIC_PREFIX = "analytic:"
 
@@ -91,10 +91,19 @@ class SimProfile:
             sched["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.max_num_seqs is not None:
             sched["max_num_seqs"] = self.max_num_seqs
-        kv_bytes = self.kv_tokens * DEFAULT_CONFIG.kv_bytes_per_token * 4  # float32 on the simulator's CPU
-        kwargs: dict[str, Any] = dict(policy=policy, kv_cache_memory=kv_bytes, device="cpu", dtype="float32",
-                                      pad_short_batches=self.pad_short_batches, online_refit=False,
-                                      enable_prefix_caching=False, **sched)
+        kv_bytes = (
+            self.kv_tokens * DEFAULT_CONFIG.kv_bytes_per_token * 4
+        )  # float32 on the simulator's CPU
+        kwargs: dict[str, Any] = dict(
+            policy=policy,
+            kv_cache_memory=kv_bytes,
+            device="cpu",
+            dtype="float32",
+            pad_short_batches=self.pad_short_batches,
+            online_refit=False,
+            enable_prefix_caching=False,
+            **sched,
+        )
         kwargs.update(overrides)
         return EngineConfig.from_kwargs(**kwargs)
 
@@ -102,31 +111,47 @@ class SimProfile:
         """The same profile with another short threshold (and a long chunk at least as large)."""
         p = self.profile
         chunk = max(p.long_chunk_size, threshold)
-        return dataclasses.replace(self, profile=dataclasses.replace(p, short_threshold=threshold,
-                                                                     long_chunk_size=chunk),
-                                   label=f"{self.label} (short threshold {threshold})")
+        return dataclasses.replace(
+            self,
+            profile=dataclasses.replace(p, short_threshold=threshold, long_chunk_size=chunk),
+            label=f"{self.label} (short threshold {threshold})",
+        )
 
     def describe(self) -> dict[str, Any]:
         """The profile as JSON for run reports."""
-        return {"label": self.label, "analytic": self.analytic, "cost_model": self.cost.as_dict(),
-                "scheduler": self.profile.scheduler_overrides(), "kv_tokens": self.kv_tokens,
-                "pad_short_batches": self.pad_short_batches, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "max_num_seqs": self.max_num_seqs}
+        return {
+            "label": self.label,
+            "analytic": self.analytic,
+            "cost_model": self.cost.as_dict(),
+            "scheduler": self.profile.scheduler_overrides(),
+            "kv_tokens": self.kv_tokens,
+            "pad_short_batches": self.pad_short_batches,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+        }
 
 
-def kv_capacity_tokens(model: str, gpu: str, memory_utilization: float = GPU_ASSUMPTIONS.memory_utilization,
-                       dtype_bytes: int = 2) -> int:
+def kv_capacity_tokens(
+    model: str,
+    gpu: str,
+    memory_utilization: float = GPU_ASSUMPTIONS.memory_utilization,
+    dtype_bytes: int = 2,
+) -> int:
     """Tokens of KV cache that fit beside ``model``'s weights on one ``gpu``."""
     cfg = MODELS[model]
     free = memory_utilization * GPU_MEMORY[gpu] - cfg.num_params * dtype_bytes
     per_token = cfg.kv_bytes_per_token * dtype_bytes
     if free < per_token * 16384:
-        raise ValueError(f"{model} leaves {max(free, 0) / 2**30:.1f} GiB on one {gpu}: not enough KV cache "
-                         f"for a 16k-token context")
+        raise ValueError(
+            f"{model} leaves {max(free, 0) / 2**30:.1f} GiB on one {gpu}: not enough KV cache "
+            f"for a 16k-token context"
+        )
     return int(free // per_token)
 
 
-def analytic_profile(model: str, gpu: str, assumptions: GpuAssumptions = GPU_ASSUMPTIONS) -> SimProfile:
+def analytic_profile(
+    model: str, gpu: str, assumptions: GpuAssumptions = GPU_ASSUMPTIONS
+) -> SimProfile:
     """``model`` on one ``gpu`` from FLOP and byte counts, settings by the calibration rules."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
@@ -137,14 +162,24 @@ def analytic_profile(model: str, gpu: str, assumptions: GpuAssumptions = GPU_ASS
     # The full smallest-bucket batch the window rule needs is predicted rather than measured.
     full_batch = cost.batch_time([(MIN_BUCKET, 0)] * assumptions.max_short_batch)
     w_min, w_max = choose_window(cost, full_batch)
-    profile = Profile(cost_model=cost, short_threshold=threshold, max_short_batch=assumptions.max_short_batch,
-                      long_chunk_size=choose_long_chunk_size(cost, threshold), w_min=w_min, w_max=w_max,
-                      fingerprint={"model": model, "device": HARDWARE[gpu].name, "dtype": "bfloat16"},
-                      fit={"analytic": dataclasses.asdict(HARDWARE[gpu])})
-    return SimProfile(profile, label=f"{ANALYTIC_PREFIX}{model}@{gpu}", kv_tokens=kv_capacity_tokens(model, gpu),
-                      pad_short_batches=assumptions.pad_short_batches,
-                      max_num_batched_tokens=assumptions.max_num_batched_tokens,
-                      max_num_seqs=assumptions.max_num_seqs)
+    profile = Profile(
+        cost_model=cost,
+        short_threshold=threshold,
+        max_short_batch=assumptions.max_short_batch,
+        long_chunk_size=choose_long_chunk_size(cost, threshold),
+        w_min=w_min,
+        w_max=w_max,
+        fingerprint={"model": model, "device": HARDWARE[gpu].name, "dtype": "bfloat16"},
+        fit={"analytic": dataclasses.asdict(HARDWARE[gpu])},
+    )
+    return SimProfile(
+        profile,
+        label=f"{ANALYTIC_PREFIX}{model}@{gpu}",
+        kv_tokens=kv_capacity_tokens(model, gpu),
+        pad_short_batches=assumptions.pad_short_batches,
+        max_num_batched_tokens=assumptions.max_num_batched_tokens,
+        max_num_seqs=assumptions.max_num_seqs,
+    )
 
 
 def calibrated_profile(path: str, kv_tokens: int | None = None) -> SimProfile:
@@ -159,10 +194,12 @@ def calibrated_profile(path: str, kv_tokens: int | None = None) -> SimProfile:
 def load_sim_profile(spec: str) -> SimProfile:
     """``analytic:MODEL@GPU`` or the path of a calibrated profile."""
     if spec.startswith(ANALYTIC_PREFIX):
-        model, sep, gpu = spec[len(ANALYTIC_PREFIX):].partition("@")
+        model, sep, gpu = spec[len(ANALYTIC_PREFIX) :].partition("@")
         if not sep:
-            raise ValueError(f"analytic profiles are named analytic:MODEL@GPU, e.g. analytic:qwen2.5-32b@H100; "
-                             f"got {spec!r}")
+            raise ValueError(
+                f"analytic profiles are named analytic:MODEL@GPU, e.g. analytic:qwen2.5-32b@H100; "
+                f"got {spec!r}"
+            )
         return analytic_profile(model, gpu)
     try:
         return calibrated_profile(spec)

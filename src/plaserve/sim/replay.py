@@ -23,8 +23,14 @@ def random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
 
-def replay(engine: LLMEngine, clock: SimClock, arrivals: Sequence[Arrival], *, horizon: float | None = None,
-           seed: int = 0) -> list[Request]:
+def replay(
+    engine: LLMEngine,
+    clock: SimClock,
+    arrivals: Sequence[Arrival],
+    *,
+    horizon: float | None = None,
+    seed: int = 0,
+) -> list[Request]:
     """Feed ``arrivals`` (sorted by time) to ``engine`` at their times and step until all finish or the
     clock passes ``horizon``. Returns the requests in arrival order."""
     gen = torch.Generator().manual_seed(seed)
@@ -38,8 +44,11 @@ def replay(engine: LLMEngine, clock: SimClock, arrivals: Sequence[Arrival], *, h
         while i < len(pending) and pending[i].arrival <= clock.now:
             a = pending[i]
             params = SamplingParams(max_tokens=a.output_tokens, temperature=0, ignore_eos=True)
-            reqs.append(engine.add_request(random_prompt(a.prompt_tokens, vocab, gen), params,
-                                           arrival_time=a.arrival))
+            reqs.append(
+                engine.add_request(
+                    random_prompt(a.prompt_tokens, vocab, gen), params, arrival_time=a.arrival
+                )
+            )
             i += 1
         engine.step_requests()
         if engine.last_batch is None:  # idle: jump to the next event

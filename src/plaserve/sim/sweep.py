@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plaserve.workload.trace import TraceRequest, scale_requests
 from plaserve.sim.cluster import ClusterConfig, SimResult, simulate
 from plaserve.sim.profiles import SimProfile
+from plaserve.workload.trace import TraceRequest, scale_requests
 
 
 def mean_rate(requests: Sequence[TraceRequest]) -> float:
@@ -54,13 +54,16 @@ class SweepPoint:
         return self.summary["short"]["ttft_ms"]
 
 
-def run_point(requests: Sequence[TraceRequest], profile: SimProfile, config: ClusterConfig,
-              rate: float) -> tuple[SweepPoint, SimResult]:
+def run_point(
+    requests: Sequence[TraceRequest], profile: SimProfile, config: ClusterConfig, rate: float
+) -> tuple[SweepPoint, SimResult]:
     """Simulate ``requests`` rescaled to ``rate``."""
     scaled, scale = at_rate(requests, rate)
     result = simulate(scaled, profile, config)
     summary = result.summary()
-    return SweepPoint(rate, scale, summary["all"]["slo_violation_rate"], summary, result.load_skew), result
+    return SweepPoint(
+        rate, scale, summary["all"]["slo_violation_rate"], summary, result.load_skew
+    ), result
 
 
 @dataclass(frozen=True)
@@ -75,12 +78,21 @@ class Capacity:
     def describe(self) -> str:
         if self.capacity is None:
             return f"below {self.points[0].rate:.3g} req/s (the lowest rate tried misses {self.target:.0%})"
-        return f"{self.capacity:.3g} req/s" + ("" if self.bounded else " or more (the highest rate tried)")
+        return f"{self.capacity:.3g} req/s" + (
+            "" if self.bounded else " or more (the highest rate tried)"
+        )
 
 
-def capacity(requests: Sequence[TraceRequest], profile: SimProfile, config: ClusterConfig, rates: Sequence[float],
-             *, target: float = 0.05, refine: int = 3,
-             on_point: Callable[[SweepPoint], None] | None = None) -> Capacity:
+def capacity(
+    requests: Sequence[TraceRequest],
+    profile: SimProfile,
+    config: ClusterConfig,
+    rates: Sequence[float],
+    *,
+    target: float = 0.05,
+    refine: int = 3,
+    on_point: Callable[[SweepPoint], None] | None = None,
+) -> Capacity:
     """Goodput capacity (module docstring): sweep ``rates`` (ascending), stop at the first that
     misses ``target``, then bisect ``refine`` times between it and the last that met it."""
     rates = sorted(rates)

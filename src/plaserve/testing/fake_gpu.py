@@ -120,7 +120,12 @@ class FakeGpu:
         """Wait in the queue, then for the prefill of ``tokens`` tokens."""
         assert self._wake is not None
         cls = "short" if tokens < self.config.short_threshold else "long"
-        job = _Job(tokens, self.config.cost_model.prefill_time(tokens), cls, asyncio.get_running_loop().create_future())
+        job = _Job(
+            tokens,
+            self.config.cost_model.prefill_time(tokens),
+            cls,
+            asyncio.get_running_loop().create_future(),
+        )
         self.queue.append(job)
         self._wake.set()
         try:
@@ -143,16 +148,31 @@ class FakeGpu:
             left = self.running.cost - (time.perf_counter() - self.running.started)
             backlog[self.running.length_class] += max(0.0, left)
             running[self.running.length_class] += 1
-        return {"backlog_s": backlog, "queued": queued, "running": running,
-                "num_requests": sum(queued.values()) + sum(running.values()),
-                "cost_model": self.config.cost_model.as_dict(), "short_threshold": self.config.short_threshold,
-                "policy": "fcfs-fake", "timestamp": time.time()}
+        return {
+            "backlog_s": backlog,
+            "queued": queued,
+            "running": running,
+            "num_requests": sum(queued.values()) + sum(running.values()),
+            "cost_model": self.config.cost_model.as_dict(),
+            "short_threshold": self.config.short_threshold,
+            "policy": "fcfs-fake",
+            "timestamp": time.time(),
+        }
 
     # --- HTTP ----------------------------------------------------------------------------------
     @staticmethod
     def _error(status: int, message: str) -> web.Response:
-        return web.json_response({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                            "code": status}}, status=status)
+        return web.json_response(
+            {
+                "error": {
+                    "message": message,
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": status,
+                }
+            },
+            status=status,
+        )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         chat = request.path.endswith("/chat/completions")
@@ -171,7 +191,9 @@ class FakeGpu:
         else:
             prompts = completion_prompts(body)
             if prompts is None:
-                return self._error(400, "prompt must be a string, a list of token ids, or a list of either")
+                return self._error(
+                    400, "prompt must be a string, a list of token ids, or a list of either"
+                )
             tokens = sum(len(p) if isinstance(p, list) else chars_estimate(p) for p in prompts)
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -180,35 +202,70 @@ class FakeGpu:
             return self._error(400, "prompt plus max_tokens exceed the context")
         n_out = min(max_tokens, self.config.max_output_tokens or max_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        usage = {"prompt_tokens": tokens, "completion_tokens": n_out, "total_tokens": tokens + n_out}
+        usage = {
+            "prompt_tokens": tokens,
+            "completion_tokens": n_out,
+            "total_tokens": tokens + n_out,
+        }
         if body.get("stream") is True:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, chat, rid, tokens, n_out, usage, include_usage)
         await self.prefill(tokens)
         await asyncio.sleep(self.config.tbt_s * (n_out - 1))
         text = "tok " * n_out
-        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": "length"} if chat else
-                                  {"index": 0, "text": text, "finish_reason": "length"})
-        return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": int(time.time()), "model": self.config.model_name,
-                                  "choices": [choice], "usage": usage})
+        choice: dict[str, Any] = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "length",
+            }
+            if chat
+            else {"index": 0, "text": text, "finish_reason": "length"}
+        )
+        return web.json_response(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.config.model_name,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
 
-    async def _stream(self, request: web.Request, chat: bool, rid: str, tokens: int, n_out: int,
-                      usage: dict[str, int], include_usage: bool) -> web.StreamResponse:
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(
+        self,
+        request: web.Request,
+        chat: bool,
+        rid: str,
+        tokens: int,
+        n_out: int,
+        usage: dict[str, int],
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await out.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
         extra = {"usage": None} if include_usage else {}
 
         def chunk(piece: str | None, finish: str | None) -> bytes:
             if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if piece is None else {"content": piece}
+                delta: dict[str, Any] = (
+                    {"role": "assistant", "content": ""} if piece is None else {"content": piece}
+                )
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": piece or "", "finish_reason": finish}
-            event = {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model_name,
-                     "choices": [choice], **extra}
+            event = {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": self.config.model_name,
+                "choices": [choice],
+                **extra,
+            }
             return b"data: " + json.dumps(event).encode() + b"\n\n"
 
         if chat:
@@ -219,17 +276,34 @@ class FakeGpu:
                 await asyncio.sleep(self.config.tbt_s)
             await out.write(chunk("tok ", "length" if i == n_out - 1 else None))
         if include_usage:
-            event = {"id": rid, "object": obj, "created": int(time.time()), "model": self.config.model_name,
-                     "choices": [], "usage": usage}
+            event = {
+                "id": rid,
+                "object": obj,
+                "created": int(time.time()),
+                "model": self.config.model_name,
+                "choices": [],
+                "usage": usage,
+            }
             await out.write(b"data: " + json.dumps(event).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "fake-gpu",
-             "max_model_len": self.config.max_model_len}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.config.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "fake-gpu",
+                        "max_model_len": self.config.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -245,12 +319,20 @@ class FakeGpu:
             count = chars_estimate(body["prompt"])
         else:
             return self._error(422, "give exactly one of 'prompt' and 'messages'")
-        return web.json_response({"count": count, "max_model_len": self.config.max_model_len, "tokens": []})
+        return web.json_response(
+            {"count": count, "max_model_len": self.config.max_model_len, "tokens": []}
+        )
 
     async def stats_route(self, request: web.Request) -> web.Response:
         s = self.stats
-        return web.json_response({"busy_s": s.busy_s, "requests": s.requests, "prefill_tokens": s.prefill_tokens,
-                                  "aborted": s.aborted})
+        return web.json_response(
+            {
+                "busy_s": s.busy_s,
+                "requests": s.requests,
+                "prefill_tokens": s.prefill_tokens,
+                "aborted": s.aborted,
+            }
+        )
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -305,7 +387,9 @@ class FakeGpuServer:
         await self.stop()
 
 
-def spawn(ports: list[int], config: FakeGpuConfig, startup_timeout: float = 30.0) -> subprocess.Popen:
+def spawn(
+    ports: list[int], config: FakeGpuConfig, startup_timeout: float = 30.0
+) -> subprocess.Popen:
     """Run fake GPUs on ``ports`` in a child process (``python -m plaserve.testing.fake_gpu``) and wait
     until every one answers ``/v1/models``. Stop it with ``terminate()`` or kill it to emulate a crash."""
     import httpx
@@ -313,9 +397,27 @@ def spawn(ports: list[int], config: FakeGpuConfig, startup_timeout: float = 30.0
     import plaserve
 
     c = config
-    cmd = [sys.executable, "-m", "plaserve.testing.fake_gpu", "--ports", *map(str, ports), "--g1", repr(c.cost_model.g1),
-           "--g2", repr(c.cost_model.g2), "--g3", repr(c.cost_model.g3), "--c0", repr(c.cost_model.c0),
-           "--short-threshold", str(c.short_threshold), "--tbt", repr(c.tbt_s), "--model-name", c.model_name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "plaserve.testing.fake_gpu",
+        "--ports",
+        *map(str, ports),
+        "--g1",
+        repr(c.cost_model.g1),
+        "--g2",
+        repr(c.cost_model.g2),
+        "--g3",
+        repr(c.cost_model.g3),
+        "--c0",
+        repr(c.cost_model.c0),
+        "--short-threshold",
+        str(c.short_threshold),
+        "--tbt",
+        repr(c.tbt_s),
+        "--model-name",
+        c.model_name,
+    ]
     if c.max_output_tokens is not None:
         cmd += ["--max-output-tokens", str(c.max_output_tokens)]
     if c.openai_only:
@@ -330,7 +432,10 @@ def spawn(ports: list[int], config: FakeGpuConfig, startup_timeout: float = 30.0
         if proc.poll() is not None:
             raise RuntimeError(f"fake GPUs exited with {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{pending[0]}/v1/models", timeout=1.0).status_code == 200:
+            if (
+                httpx.get(f"http://127.0.0.1:{pending[0]}/v1/models", timeout=1.0).status_code
+                == 200
+            ):
                 pending.pop(0)
                 continue
         except httpx.HTTPError:
@@ -354,7 +459,9 @@ async def _serve_forever(ports: list[int], config: FakeGpuConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m plaserve.testing.fake_gpu", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m plaserve.testing.fake_gpu", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--ports", type=int, nargs="+", required=True)
     p.add_argument("--g1", type=float, required=True, help="seconds per prompt token")
     p.add_argument("--g2", type=float, required=True, help="seconds per causal query-key pair")
@@ -366,8 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--openai-only", action="store_true", help="no /health, /load, /tokenize")
     p.add_argument("--model-name", default="fake-gpu")
     args = p.parse_args(argv)
-    config = FakeGpuConfig(CostModel(args.g1, args.g2, args.g3, args.c0, source="fake"), args.short_threshold,
-                           args.tbt, args.max_output_tokens, args.openai_only, args.model_name)
+    config = FakeGpuConfig(
+        CostModel(args.g1, args.g2, args.g3, args.c0, source="fake"),
+        args.short_threshold,
+        args.tbt,
+        args.max_output_tokens,
+        args.openai_only,
+        args.model_name,
+    )
     asyncio.run(_serve_forever(args.ports, config))
     return 0
 

@@ -46,7 +46,11 @@ class RequestRecord:
     @property
     def met_slo(self) -> bool:
         """Succeeded, got a first token, and (if it has an SLO) got it in time."""
-        return self.ok and self.ttft is not None and (self.slo_ttft is None or self.ttft <= self.slo_ttft)
+        return (
+            self.ok
+            and self.ttft is not None
+            and (self.slo_ttft is None or self.ttft <= self.slo_ttft)
+        )
 
 
 def _percentiles(values_ms: list[float], qs: Sequence[int]) -> dict[str, float | None]:
@@ -78,7 +82,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict:
     """
     if duration_s <= 0:
         raise ValueError(f"duration_s must be positive, got {duration_s}")
-    out = {cls: _summarize_class([r for r in records if r.length_class == cls], duration_s) for cls in CLASSES}
+    out = {
+        cls: _summarize_class([r for r in records if r.length_class == cls], duration_s)
+        for cls in CLASSES
+    }
     out["all"] = _summarize_class(list(records), duration_s)
     return out
 
@@ -89,8 +96,10 @@ def _fmt(value: float | None, digits: int = 0) -> str:
 
 def format_table(summary: dict) -> str:
     """A fixed-width table of a summary, one row per class."""
-    head = (f"{'class':<6} {'n':>5} {'err':>4} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'TBT p50':>8} {'p99':>7} "
-            f"{'E2E p50':>8} {'p99':>8} {'SLO viol':>8} {'tok/s':>8} {'goodput':>8}")
+    head = (
+        f"{'class':<6} {'n':>5} {'err':>4} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'TBT p50':>8} {'p99':>7} "
+        f"{'E2E p50':>8} {'p99':>8} {'SLO viol':>8} {'tok/s':>8} {'goodput':>8}"
+    )
     lines = [head, "-" * len(head)]
     for cls in (*CLASSES, "all"):
         s = summary[cls]
@@ -100,8 +109,11 @@ def format_table(summary: dict) -> str:
             f"{_fmt(s['ttft_ms']['p99']):>7} {_fmt(s['tbt_ms']['p50'], 1):>8} {_fmt(s['tbt_ms']['p99'], 1):>7} "
             f"{_fmt(s['e2e_ms']['p50']):>8} {_fmt(s['e2e_ms']['p99']):>8} "
             f"{'-' if viol is None else f'{viol * 100:.1f}%':>8} {s['output_throughput_tok_s']:>8.1f} "
-            f"{s['goodput_req_s']:>8.2f}")
-    lines.append("times in ms; TBT = gap between streamed chunks; goodput = requests meeting their TTFT SLO per second")
+            f"{s['goodput_req_s']:>8.2f}"
+        )
+    lines.append(
+        "times in ms; TBT = gap between streamed chunks; goodput = requests meeting their TTFT SLO per second"
+    )
     return "\n".join(lines)
 
 
@@ -130,10 +142,17 @@ def plot(records: Sequence[RequestRecord], out_dir: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for cls in CLASSES:
-        ttfts = sorted(r.ttft * 1000 for r in records if r.length_class == cls and r.ok and r.ttft is not None)
+        ttfts = sorted(
+            r.ttft * 1000 for r in records if r.length_class == cls and r.ok and r.ttft is not None
+        )
         if ttfts:
-            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", color=colors[cls],
-                    label=f"{cls} (n={len(ttfts)})")
+            ax.step(
+                ttfts,
+                np.arange(1, len(ttfts) + 1) / len(ttfts),
+                where="post",
+                color=colors[cls],
+                label=f"{cls} (n={len(ttfts)})",
+            )
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF by length class")
@@ -147,13 +166,25 @@ def plot(records: Sequence[RequestRecord], out_dir: str) -> list[str]:
     fig, (ax_ttft, ax_e2e) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     for cls in CLASSES:
         done = [r for r in records if r.length_class == cls and r.ok]
-        ax_ttft.scatter([r.arrival for r in done if r.ttft is not None],
-                        [r.ttft * 1000 for r in done if r.ttft is not None], s=8, color=colors[cls], label=cls)
-        ax_e2e.scatter([r.arrival for r in done if r.e2e is not None],
-                       [r.e2e * 1000 for r in done if r.e2e is not None], s=8, color=colors[cls], label=cls)
+        ax_ttft.scatter(
+            [r.arrival for r in done if r.ttft is not None],
+            [r.ttft * 1000 for r in done if r.ttft is not None],
+            s=8,
+            color=colors[cls],
+            label=cls,
+        )
+        ax_e2e.scatter(
+            [r.arrival for r in done if r.e2e is not None],
+            [r.e2e * 1000 for r in done if r.e2e is not None],
+            s=8,
+            color=colors[cls],
+            label=cls,
+        )
         failed = [r.arrival for r in records if r.length_class == cls and not r.ok]
         if failed:
-            ax_ttft.scatter(failed, [0] * len(failed), marker="x", color=colors[cls], label=f"{cls} failed")
+            ax_ttft.scatter(
+                failed, [0] * len(failed), marker="x", color=colors[cls], label=f"{cls} failed"
+            )
     ax_ttft.set_ylabel("TTFT (ms)")
     ax_e2e.set_ylabel("end-to-end (ms)")
     ax_e2e.set_xlabel("arrival time (s)")

@@ -43,11 +43,15 @@ class TtftSlo:
         """One line saying which SLO is in force."""
         if self.cost is not None:
             c = self.cost
-            return (f"TTFT SLO = max({self.floor_s * 1000:.0f} ms, {self.factor:g} x predicted isolated prefill), "
-                    f"prefill from the server's cost model (g1={c['g1']:.3g}, g2={c['g2']:.3g}, "
-                    f"c0={c.get('c0', 0.0):.3g}, source={c.get('source', '?')})")
-        return (f"TTFT SLO fixed by class: short (< {self.short_threshold} tokens) {self.short_s * 1000:.0f} ms, "
-                f"long {self.long_s * 1000:.0f} ms (no cost model from the server)")
+            return (
+                f"TTFT SLO = max({self.floor_s * 1000:.0f} ms, {self.factor:g} x predicted isolated prefill), "
+                f"prefill from the server's cost model (g1={c['g1']:.3g}, g2={c['g2']:.3g}, "
+                f"c0={c.get('c0', 0.0):.3g}, source={c.get('source', '?')})"
+            )
+        return (
+            f"TTFT SLO fixed by class: short (< {self.short_threshold} tokens) {self.short_s * 1000:.0f} ms, "
+            f"long {self.long_s * 1000:.0f} ms (no cost model from the server)"
+        )
 
 
 def cost_from_load(load: Any) -> dict[str, Any] | None:

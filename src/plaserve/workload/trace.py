@@ -45,8 +45,14 @@ def parse_timestamp(text: str) -> float:
     return seconds + (float(f"0.{fraction}") if fraction else 0.0)
 
 
-def scale_requests(requests: Iterable[TraceRequest], *, time_scale: float = 1.0, length_scale: float = 1.0,
-                   max_prompt_tokens: int | None = None, max_output_tokens: int | None = None) -> list[TraceRequest]:
+def scale_requests(
+    requests: Iterable[TraceRequest],
+    *,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> list[TraceRequest]:
     """Apply the module's scaling convention to requests whose arrivals already start at 0."""
     if time_scale <= 0 or length_scale <= 0:
         raise ValueError("time_scale and length_scale must be positive")
@@ -55,13 +61,26 @@ def scale_requests(requests: Iterable[TraceRequest], *, time_scale: float = 1.0,
         n = max(1, round(n * length_scale))
         return min(n, cap) if cap is not None else n
 
-    return [TraceRequest(r.arrival * time_scale, length(r.prompt_tokens, max_prompt_tokens),
-                         length(r.output_tokens, max_output_tokens)) for r in requests]
+    return [
+        TraceRequest(
+            r.arrival * time_scale,
+            length(r.prompt_tokens, max_prompt_tokens),
+            length(r.output_tokens, max_output_tokens),
+        )
+        for r in requests
+    ]
 
 
-def load_trace(path: str, *, start: int = 0, limit: int | None = None, time_scale: float = 1.0,
-               length_scale: float = 1.0, max_prompt_tokens: int | None = None,
-               max_output_tokens: int | None = None) -> list[TraceRequest]:
+def load_trace(
+    path: str,
+    *,
+    start: int = 0,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> list[TraceRequest]:
     """Rows ``[start, start + limit)`` of a trace CSV, arrivals relative to the first of them, scaled.
 
     Rows are sorted by arrival (the Azure files are sorted already; this guards hand-made ones).
@@ -79,17 +98,35 @@ def load_trace(path: str, *, start: int = 0, limit: int | None = None, time_scal
                 continue
             if limit is not None and len(rows) >= limit:
                 break
-            rows.append((parse_timestamp(row["TIMESTAMP"]), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+            rows.append(
+                (
+                    parse_timestamp(row["TIMESTAMP"]),
+                    int(row["ContextTokens"]),
+                    int(row["GeneratedTokens"]),
+                )
+            )
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0] if rows else 0.0
     raw = [TraceRequest(t - t0, prompt, output) for t, prompt, output in rows]
-    return scale_requests(raw, time_scale=time_scale, length_scale=length_scale,
-                          max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens)
+    return scale_requests(
+        raw,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        max_prompt_tokens=max_prompt_tokens,
+        max_output_tokens=max_output_tokens,
+    )
 
 
-def synthetic_bimodal(n: int, rate: float, *, seed: int = 0, short: tuple[int, int] = (16, 256),
-                      long: tuple[int, int] = (1024, 4096), long_share: float = 0.2,
-                      output: tuple[int, int] = (8, 64)) -> list[TraceRequest]:
+def synthetic_bimodal(
+    n: int,
+    rate: float,
+    *,
+    seed: int = 0,
+    short: tuple[int, int] = (16, 256),
+    long: tuple[int, int] = (1024, 4096),
+    long_share: float = 0.2,
+    output: tuple[int, int] = (8, 64),
+) -> list[TraceRequest]:
     """``n`` requests with Poisson arrivals at ``rate`` per second (the first at 0): a share
     ``long_share`` of prompts uniform in ``long``, the rest uniform in ``short``; outputs uniform in
     ``output`` (all ranges inclusive)."""
