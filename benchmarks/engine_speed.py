@@ -38,15 +38,28 @@ LENGTHS = (128, 1024, 2048, 4096)
 BATCHES = (1, 16, 64)
 FLOP_LENGTH = 2048
 # A random model with Qwen2.5-0.5B's layer shapes (its 151,936-token vocabulary, tied embeddings).
-QWEN05_SHAPE = dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                    num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
-                    max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True,
-                    tie_word_embeddings=True)
+QWEN05_SHAPE = dict(
+    architecture="Qwen2ForCausalLM",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    qkv_bias=True,
+    tie_word_embeddings=True,
+)
 
 
 def _engine_vs_hf() -> Any:
     """benchmarks/engine_vs_hf.py (not a package), for the helpers it shares with this script."""
-    spec = importlib.util.spec_from_file_location("engine_vs_hf", Path(__file__).with_name("engine_vs_hf.py"))
+    spec = importlib.util.spec_from_file_location(
+        "engine_vs_hf", Path(__file__).with_name("engine_vs_hf.py")
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -54,8 +67,14 @@ def _engine_vs_hf() -> Any:
     return module
 
 
-def measure(dtype_name: str, model_name: str, threads: int, lengths: tuple[int, ...], batches: tuple[int, ...],
-            reps: int) -> dict[str, Any]:
+def measure(
+    dtype_name: str,
+    model_name: str,
+    threads: int,
+    lengths: tuple[int, ...],
+    batches: tuple[int, ...],
+    reps: int,
+) -> dict[str, Any]:
     """Every figure of one tree (the one on ``sys.path``), in this process; times by the process's CPU
     time on one thread, else by the wall clock."""
     import torch
@@ -73,15 +92,25 @@ def measure(dtype_name: str, model_name: str, threads: int, lengths: tuple[int, 
     if model_name == "default":
         loaded = load_model(None, dtype, torch.device("cpu"))
     else:
-        loaded = random_model(ModelConfig(**QWEN05_SHAPE), dtype, torch.device("cpu"), name="qwen2.5-0.5b-shape")
+        loaded = random_model(
+            ModelConfig(**QWEN05_SHAPE), dtype, torch.device("cpu"), name="qwen2.5-0.5b-shape"
+        )
     model, cfg = loaded.model, loaded.config
 
     def engine(batch: int) -> LLMEngine:
         """An fcfs engine on ``loaded`` with room for ``batch`` 128-token prompts in its first step."""
-        return LLMEngine(EngineConfig.from_kwargs(dtype=dtype_name, kv_cache_memory="512MiB", max_model_len=4096,
-                                                  policy="fcfs", max_num_seqs=max(64, batch),
-                                                  max_num_batched_tokens=max(2048, 128 * batch),
-                                                  enable_prefix_caching=False), loaded=loaded)
+        return LLMEngine(
+            EngineConfig.from_kwargs(
+                dtype=dtype_name,
+                kv_cache_memory="512MiB",
+                max_model_len=4096,
+                policy="fcfs",
+                max_num_seqs=max(64, batch),
+                max_num_batched_tokens=max(2048, 128 * batch),
+                enable_prefix_caching=False,
+            ),
+            loaded=loaded,
+        )
 
     # An engine sets the model up as it serves it (the tree's projection layouts, compiled kernels where
     # it has them): the bare forwards below run that model.
@@ -97,26 +126,41 @@ def measure(dtype_name: str, model_name: str, threads: int, lengths: tuple[int, 
         return min(times)
 
     gen = torch.Generator().manual_seed(0)
-    out: dict[str, Any] = {"prefill_s": {}, "decode_tok_s": {}, "model": loaded.name, "num_params": cfg.num_params}
+    out: dict[str, Any] = {
+        "prefill_s": {},
+        "decode_tok_s": {},
+        "model": loaded.name,
+        "num_params": cfg.num_params,
+    }
     out["peak_flop_s"] = bench.matmul_peak(2048, 8, dtype, clock)
     for n in lengths:
         ids = torch.randint(0, min(500, cfg.vocab_size), (n,), generator=gen)
-        out["prefill_s"][n] = best_of(lambda: model.compute_logits(bench.our_forward(model, ids)[-1:]), reps)
+        out["prefill_s"][n] = best_of(
+            lambda: model.compute_logits(bench.our_forward(model, ids)[-1:]), reps
+        )
         log(f"  prefill L={n}: {n / out['prefill_s'][n]:,.0f} tok/s")
     out["flops_2048"] = bench.prefill_flops(cfg, FLOP_LENGTH)
     for batch in batches:
         eng = engine(batch)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-        reqs = [eng.add_request(torch.randint(0, min(500, cfg.vocab_size), (128,), generator=gen).tolist(), params)
-                for _ in range(batch)]
+        reqs = [
+            eng.add_request(
+                torch.randint(0, min(500, cfg.vocab_size), (128,), generator=gen).tolist(), params
+            )
+            for _ in range(batch)
+        ]
         steps = []
         while eng.has_unfinished():
             start = clock()
             eng.step()
             elapsed = clock() - start
             step = eng.last_batch
-            if step is not None and len(step.items) == batch and all(it.num_tokens == 1 for it in step.items) \
-                    and all(len(r.output_token_ids) > 1 for r in reqs):
+            if (
+                step is not None
+                and len(step.items) == batch
+                and all(it.num_tokens == 1 for it in step.items)
+                and all(len(r.output_token_ids) > 1 for r in reqs)
+            ):
                 steps.append(elapsed)
         # The first decode steps pay first-call costs; of the rest, the fastest (others' load only ever
         # slows a step down).
@@ -133,9 +177,23 @@ def log(msg: str) -> None:
 def run_tree(src: str, args: argparse.Namespace) -> dict[str, Any]:
     """One child process on tree ``src``; its figures."""
     env = dict(os.environ, PYTHONPATH=src)
-    cmd = [sys.executable, __file__, "--child", "--dtype", args.dtype, "--model", args.model,
-           "--threads", str(args.threads), "--lengths", args.lengths, "--batches", args.batches,
-           "--reps", str(args.reps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--dtype",
+        args.dtype,
+        "--model",
+        args.model,
+        "--threads",
+        str(args.threads),
+        "--lengths",
+        args.lengths,
+        "--batches",
+        args.batches,
+        "--reps",
+        str(args.reps),
+    ]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -143,21 +201,36 @@ def run_tree(src: str, args: argparse.Namespace) -> dict[str, Any]:
 def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's best over the rounds."""
     first = runs[0]
-    return {"model": first["model"], "num_params": first["num_params"], "flops_2048": first["flops_2048"],
-            "peak_flop_s": max(r["peak_flop_s"] for r in runs),
-            "prefill_s": {n: min(r["prefill_s"][n] for r in runs) for n in first["prefill_s"]},
-            "decode_tok_s": {b: max(r["decode_tok_s"][b] for r in runs) for b in first["decode_tok_s"]}}
+    return {
+        "model": first["model"],
+        "num_params": first["num_params"],
+        "flops_2048": first["flops_2048"],
+        "peak_flop_s": max(r["peak_flop_s"] for r in runs),
+        "prefill_s": {n: min(r["prefill_s"][n] for r in runs) for n in first["prefill_s"]},
+        "decode_tok_s": {b: max(r["decode_tok_s"][b] for r in runs) for b in first["decode_tok_s"]},
+    }
 
 
-def format_table(trees: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple[float, float]) -> str:
+def format_table(
+    trees: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple[float, float]
+) -> str:
     names = list(trees)
     first = trees[names[0]]
-    clock = "CPU time of the process, 1 thread" if args.threads == 1 else f"wall time, {args.threads} threads"
-    out = [f"Model {first['model']} ({first['num_params'] / 1e6:.1f} M parameters), {args.dtype}; {clock}; best of "
-           f"{args.rounds} rounds (trees alternating), prefill best of {args.reps} a round; load average "
-           f"{load[0]:.2f} at start, {load[1]:.2f} at end", "",
-           "| figure | " + " | ".join(names) + (f" | {names[-1]} / {names[0]} |" if len(names) > 1 else " |"),
-           "|---|" + "---:|" * (len(names) + (len(names) > 1))]
+    clock = (
+        "CPU time of the process, 1 thread"
+        if args.threads == 1
+        else f"wall time, {args.threads} threads"
+    )
+    out = [
+        f"Model {first['model']} ({first['num_params'] / 1e6:.1f} M parameters), {args.dtype}; {clock}; best of "
+        f"{args.rounds} rounds (trees alternating), prefill best of {args.reps} a round; load average "
+        f"{load[0]:.2f} at start, {load[1]:.2f} at end",
+        "",
+        "| figure | "
+        + " | ".join(names)
+        + (f" | {names[-1]} / {names[0]} |" if len(names) > 1 else " |"),
+        "|---|" + "---:|" * (len(names) + (len(names) > 1)),
+    ]
 
     def row(label: str, values: list[float], fmt: str) -> None:
         ratio = f" {values[-1] / values[0]:.2f}x |" if len(values) > 1 else ""
@@ -165,11 +238,23 @@ def format_table(trees: dict[str, dict[str, Any]], args: argparse.Namespace, loa
 
     for n in first["prefill_s"]:
         row(f"prefill tok/s, L = {n}", [int(n) / trees[t]["prefill_s"][n] for t in names], ",.0f")
-    row(f"matmul peak (2048^3 {args.dtype}), GFLOP/s", [trees[t]["peak_flop_s"] / 1e9 for t in names], ",.0f")
+    row(
+        f"matmul peak (2048^3 {args.dtype}), GFLOP/s",
+        [trees[t]["peak_flop_s"] / 1e9 for t in names],
+        ",.0f",
+    )
     if str(FLOP_LENGTH) in first["prefill_s"]:
-        row(f"prefill at L = {FLOP_LENGTH}, % of that peak",
-            [100 * trees[t]["flops_2048"] / trees[t]["prefill_s"][str(FLOP_LENGTH)] / trees[t]["peak_flop_s"]
-             for t in names], ".1f")
+        row(
+            f"prefill at L = {FLOP_LENGTH}, % of that peak",
+            [
+                100
+                * trees[t]["flops_2048"]
+                / trees[t]["prefill_s"][str(FLOP_LENGTH)]
+                / trees[t]["peak_flop_s"]
+                for t in names
+            ],
+            ".1f",
+        )
     for b in first["decode_tok_s"]:
         row(f"decode tok/s, batch {b}", [trees[t]["decode_tok_s"][b] for t in names], ",.0f")
     return "\n".join(out) + "\n"
@@ -177,7 +262,9 @@ def format_table(trees: dict[str, dict[str, Any]], args: argparse.Namespace, loa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trees", default="this=src", help="name=path/to/src,... (default: this=src)")
+    parser.add_argument(
+        "--trees", default="this=src", help="name=path/to/src,... (default: this=src)"
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--model", default="default", choices=["default", "qwen0.5b-shape"])
     parser.add_argument("--threads", type=int, default=1)
@@ -191,19 +278,27 @@ def main(argv: list[str] | None = None) -> int:
     lengths = tuple(int(x) for x in args.lengths.split(","))
     batches = tuple(int(x) for x in args.batches.split(","))
     if args.child:
-        print(json.dumps(measure(args.dtype, args.model, args.threads, lengths, batches, args.reps)))
+        print(
+            json.dumps(measure(args.dtype, args.model, args.threads, lengths, batches, args.reps))
+        )
         return 0
     trees = dict(item.split("=", 1) for item in args.trees.split(","))
     load_start = os.getloadavg()[0]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for rnd in range(args.rounds):
         for name, src in trees.items():
-            log(f"round {rnd + 1}/{args.rounds}: {name} ({src}), load average {os.getloadavg()[0]:.2f}")
+            log(
+                f"round {rnd + 1}/{args.rounds}: {name} ({src}), load average {os.getloadavg()[0]:.2f}"
+            )
             runs[name].append(run_tree(src, args))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(runs, f, indent=2)
-    print(format_table({name: merge(r) for name, r in runs.items()}, args, (load_start, os.getloadavg()[0])))
+    print(
+        format_table(
+            {name: merge(r) for name, r in runs.items()}, args, (load_start, os.getloadavg()[0])
+        )
+    )
     return 0
 
 

@@ -270,7 +270,9 @@ def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 
 
 # --- timing primitives ---------------------------------------------------------------------------
-def matmul_peak(size: int, reps: int, dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter) -> float:
+def matmul_peak(
+    size: int, reps: int, dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Best FLOP/s of a ``size``-square matmul in ``dtype`` over ``reps`` runs (after one warm-up), timed
     by ``clock``."""
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)

@@ -60,8 +60,10 @@ _COMPILED: dict[Callable, Callable] = {}
 def _compiled(fn: Callable) -> Callable:
     """``fn`` compiled, once per process: every model shares the compiled code (and its guards)."""
     if fn not in _COMPILED:
-        log.info("torch.compile %s (seconds on first use; inductor caches it on disk for later processes)",
-                 fn.__name__.lstrip("_"))
+        log.info(
+            "torch.compile %s (seconds on first use; inductor caches it on disk for later processes)",
+            fn.__name__.lstrip("_"),
+        )
         # dynamic: one graph for every token count and width instead of one per shape.
         _COMPILED[fn] = torch.compile(fn, dynamic=True)
     return _COMPILED[fn]
