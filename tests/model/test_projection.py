@@ -21,14 +21,19 @@ def test_fused_projection_equals_its_linears(dtype, bias):
                 lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
     expected = [lin.weight.float().clone() for lin in linears]
     proj = Projection(linears)
-    assert proj.transposed == (dtype == torch.float32)
+    assert proj.transposed  # on CPU
     assert (proj.packed is not None) == (dtype == torch.bfloat16 and _can_prepack())
     for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
         assert (
             torch.equal(lin.weight.float(), w)
             and lin.weight.untyped_storage().data_ptr() == proj.weight.untyped_storage().data_ptr()
         )
-    for rows in (1, 5, 64):
+    for rows in (
+        1,
+        5,
+        64,
+        Projection.PACKED_MAX_ROWS + 1,
+    ):  # the last by the plain transposed weight
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = torch.cat(
             [

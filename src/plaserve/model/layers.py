@@ -81,28 +81,30 @@ class Projection:
     is faster than several narrow ones); their parameters become views of the fused weight. Build it
     once the weights are final and on their device.
 
-    The fused weight is kept in the layout its device and dtype multiply fastest by:
-
-    * CPU, float32: transposed (``[in, out]``, contiguous): MKL multiplies a few rows (a decode batch) by
-      that layout up to twice as fast as by the ``[out, in]`` one ``F.linear`` hands it, and long
-      prefills as fast;
-    * CPU, bfloat16 / float16: a copy prepacked into oneDNN's blocked layout (``mkldnn._linear_pointwise``),
-      beside the plain weight the parameters view (so these weights take twice their size). Unpacked,
-      oneDNN repacks the whole weight on every call, which costs more than the multiplication itself
-      for the few rows of a decode batch;
-    * elsewhere: as ``nn.Linear`` stores it, through ``F.linear``.
+    On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
+    (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
+    hands it, and long prefills as fast. In bfloat16 / float16 steps of up to ``PACKED_MAX_ROWS`` rows
+    multiply by a second copy, prepacked in oneDNN's blocked layout (``mkldnn._linear_pointwise``): by
+    any plain layout oneDNN repacks the whole weight on every call, which for a decode batch costs more
+    than the multiplication (these weights take twice their size). Elsewhere the weight stays as
+    ``nn.Linear`` stores it, through ``F.linear``.
     """
 
-    # Rows oneDNN is told to expect when it picks the packed layout: a decode batch. The layout it
-    # picks for 16 rows multiplies long prefills as fast as one picked for them.
+    # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
     PACK_ROWS_HINT = 16
+    # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower.
+    PACKED_MAX_ROWS = 256
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         with torch.no_grad():
             weight = torch.cat([lin.weight for lin in linears])
             bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            cpu = weight.device.type == "cpu"
-            self.transposed = cpu and weight.dtype == torch.float32
+            self.transposed = weight.device.type == "cpu"
+            self.packed = (
+                torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
+                if self.transposed and weight.dtype != torch.float32 and _can_prepack()
+                else None
+            )
             if self.transposed:
                 weight = weight.t().contiguous()
             start = 0
@@ -116,15 +118,10 @@ class Projection:
                 if bias is not None:
                     lin.bias.data = bias[start : start + rows]
                 start += rows
-            self.packed = (
-                torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
-                if cpu and not self.transposed and _can_prepack()
-                else None
-            )
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] <= self.PACKED_MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
