@@ -22,7 +22,7 @@ from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
 from plaserve.model.loader import LoadedModel
 from plaserve.request import Request, SamplingParams
-from plaserve.sim.replay import random_prompt
+from plaserve.sim.replay import random_prompt, replay_into
 from plaserve.slo import SloRule  # the scheduler's rule (the benchmarks import it from here)
 from plaserve.workload.report import RequestRecord
 from plaserve.workload.trace import TraceRequest
@@ -87,44 +87,12 @@ def run_policy(
 ) -> PolicyRun:
     """Replay ``arrivals`` on the wall clock into a fresh engine; stops at ``deadline_s`` if given."""
     engine = LLMEngine(config, loaded=loaded, cost=cost)
-    gen = torch.Generator().manual_seed(seed)
-    vocab = engine.model_config.vocab_size
-    prompts = [random_prompt(a.prompt_tokens, vocab, gen) for a in arrivals]
-    reqs: list[Request] = []
-    busy = 0.0
-    t0 = engine.clock()
-    i = 0
-    while i < len(arrivals) or engine.has_unfinished():
-        now = engine.clock()
-        if deadline_s is not None and now - t0 > deadline_s:
-            break
-        while i < len(arrivals) and t0 + arrivals[i].arrival <= now:
-            a = arrivals[i]
-            params = SamplingParams(max_tokens=a.output_tokens, temperature=0, ignore_eos=True)
-            reqs.append(engine.add_request(prompts[i], params, arrival_time=t0 + a.arrival))
-            i += 1
-        s = engine.clock()
-        engine.step()
-        if engine.last_batch is not None:
-            busy += engine.clock() - s
-            continue
-        wake = [
-            t
-            for t in (engine.next_wakeup(), t0 + arrivals[i].arrival if i < len(arrivals) else None)
-            if t is not None
-        ]
-        if wake:
-            time.sleep(max(0.0, min(wake) - engine.clock()))
-    wall = engine.clock() - t0
-    for r in reqs:  # anything left unfinished at the deadline stays unfinished (no first token)
-        r.metrics.arrival_time -= t0
-        for name in ("first_token_time", "finish_time", "first_scheduled_time"):
-            v = getattr(r.metrics, name)
-            if v is not None:
-                setattr(r.metrics, name, v - t0)
-        r.metrics.token_times = [t - t0 for t in r.metrics.token_times]
-        r.metrics.prefill_chunks = [(s - t0, e - t0, n) for s, e, n in r.metrics.prefill_chunks]
-    return PolicyRun(config.scheduler.policy, reqs, wall, busy)
+
+    def sleep_until(t: float) -> None:
+        time.sleep(max(0.0, t - engine.clock()))
+
+    run = replay_into(engine, arrivals, sleep_until, horizon=deadline_s, seed=seed)
+    return PolicyRun(config.scheduler.policy, run.requests, run.wall, run.busy)
 
 
 def to_record(req: Request, slo: SloRule, cost: CostModel) -> RequestRecord:
