@@ -2,7 +2,8 @@
 
 For each tree (``--trees name=path/to/src,...``) a child process measures, in one dtype:
 
-* the matmul peak (2048^3, best of 8) and the prefill FLOP rate at L = 2048 as a fraction of it;
+* the matmul peak (2048^3, best of 8) and the prefill FLOP rate at L = 2048 as a fraction of the
+  highest peak any tree measured;
 * prefill tokens/s at each L (our bare forward plus the sampled row's logits, best of N);
 * decode tokens/s at each batch size: ``B`` requests of 128-token prompts through an ``LLMEngine``
   (fcfs, every prompt in the first step), from the fastest of the ~20 steps that decode the whole batch.
@@ -212,8 +213,9 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(
-    trees: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple[float, float]
+    trees: dict[str, dict[str, Any]], args: argparse.Namespace, load: tuple[float, float] | None
 ) -> str:
+    """The merged figures as markdown; ``load``: the load average at the start and end (None: unknown)."""
     names = list(trees)
     first = trees[names[0]]
     clock = (
@@ -221,10 +223,10 @@ def format_table(
         if args.threads == 1
         else f"wall time, {args.threads} threads"
     )
+    loads = "" if load is None else f"; load average {load[0]:.2f} at start, {load[1]:.2f} at end"
     out = [
         f"Model {first['model']} ({first['num_params'] / 1e6:.1f} M parameters), {args.dtype}; {clock}; best of "
-        f"{args.rounds} rounds (trees alternating), prefill best of {args.reps} a round; load average "
-        f"{load[0]:.2f} at start, {load[1]:.2f} at end",
+        f"{args.rounds} rounds (trees alternating), prefill best of {args.reps} a round{loads}",
         "",
         "| figure | "
         + " | ".join(names)
@@ -244,13 +246,12 @@ def format_table(
         ",.0f",
     )
     if str(FLOP_LENGTH) in first["prefill_s"]:
+        # Against the highest peak of the run: the machine's, whichever tree's round measured it.
+        peak = max(trees[t]["peak_flop_s"] for t in names)
         row(
-            f"prefill at L = {FLOP_LENGTH}, % of that peak",
+            f"prefill at L = {FLOP_LENGTH}, % of the highest peak",
             [
-                100
-                * trees[t]["flops_2048"]
-                / trees[t]["prefill_s"][str(FLOP_LENGTH)]
-                / trees[t]["peak_flop_s"]
+                100 * trees[t]["flops_2048"] / trees[t]["prefill_s"][str(FLOP_LENGTH)] / peak
                 for t in names
             ],
             ".1f",
@@ -273,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     parser.add_argument("--out", help="also write every round's figures as JSON to this path")
+    parser.add_argument(
+        "--table", metavar="JSON", help="print the table of an earlier --out instead of measuring"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     lengths = tuple(int(x) for x in args.lengths.split(","))
@@ -281,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             json.dumps(measure(args.dtype, args.model, args.threads, lengths, batches, args.reps))
         )
+        return 0
+    if args.table:
+        with open(args.table) as f:
+            runs = json.load(f)
+        print(format_table({name: merge(r) for name, r in runs.items()}, args, None))
         return 0
     trees = dict(item.split("=", 1) for item in args.trees.split(","))
     load_start = os.getloadavg()[0]

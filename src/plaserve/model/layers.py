@@ -193,13 +193,12 @@ class Attention(nn.Module):
         t, h, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None:
             qkv = self.qkv(x)
-            v = qkv[:, (h + hk) * d :].view(t, hk, d)
-            qkv = qkv[:, : (h + hk) * d].view(t, h + hk, d)
+            qk, v = qkv[:, : (h + hk) * d].view(t, h + hk, d), qkv[:, (h + hk) * d :].view(t, hk, d)
         else:
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1).view(t, h + hk, d)
+            qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1).view(t, h + hk, d)
             v = self.v_proj(x).view(t, hk, d)
         # q and k sit side by side in the fused output: rotate them in one pass.
-        q, k = kernels.rotary(qkv, *rope).split([h, hk], dim=1)
+        q, k = kernels.rotary(qk, *rope).split([h, hk], dim=1)
         o = attention(q, k, v, kv_cache, meta, self.scale).view(t, -1)
         return self.o(o) if self.o is not None else self.o_proj(o)
 
