@@ -14,6 +14,7 @@ from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_pea
 from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
+from plaserve.engine.kv_transfer import KVHandoff
 from plaserve.engine.runner import ModelRunner
 from plaserve.kv_blocks import BlockAllocator
 from plaserve.model.default import DEFAULT_CONFIG
@@ -165,6 +166,8 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None
         self.num_steps = 0
         self.num_preemptions = 0
+        # Prefill/decode disaggregation: parked exports and imports of KV blocks (docs/PD.md).
+        self.kv_handoff = KVHandoff(self)
 
     def warm_up(self) -> None:
         """Run one throwaway step of a full token budget (and a decode) before serving, so that the
@@ -317,6 +320,7 @@ class LLMEngine:
         self.scheduler.finish(
             req, "abort"
         )  # a held request holds no blocks: it is only marked finished
+        self.kv_handoff.forget(request_id)
         self._release(request_id)
         req.metrics.finish_time = self.clock()
         return True
@@ -337,6 +341,7 @@ class LLMEngine:
         )
         self.scheduler = POLICIES[sched.policy](sched, self.allocator, self.cost)
         self.last_batch = None
+        self.kv_handoff = KVHandoff(self, self.kv_handoff.ttl)  # parked blocks went with the books
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._held)
@@ -445,6 +450,7 @@ class LLMEngine:
                     req.request_id,
                 )
                 self.scheduler.finish(req, "error")
+                self.kv_handoff.forget(req.request_id)
                 req.metrics.finish_time = now
             else:
                 self._append_token(req, token, now)
@@ -465,6 +471,7 @@ class LLMEngine:
             req.output_text += req.detokenizer.add(token)
         reason = self._stop_reason(req, token, checked)
         if reason is not None:
+            self.kv_handoff.on_finish(req)  # a prefill for a remote decode keeps its blocks
             self.scheduler.finish(req, reason)
             req.metrics.finish_time = now
 

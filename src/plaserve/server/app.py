@@ -41,6 +41,7 @@ from plaserve.server.generation import (
     Generation,
     until_disconnect,
 )
+from plaserve.server.pd import PDWorker, check_pd_request, parse_kv_transfer_params
 from plaserve.server.prompts import (
     ModelLimits,
     check_logit_bias,
@@ -75,9 +76,14 @@ class _Handlers:
     """Route handlers bound to one engine loop; everything they read from the engine is fixed at start."""
 
     def __init__(
-        self, engine_loop: EngineLoop, served_model_name: str, http_limits: HttpLimits
+        self,
+        engine_loop: EngineLoop,
+        served_model_name: str,
+        http_limits: HttpLimits,
+        pd: PDWorker | None = None,
     ) -> None:
         engine = engine_loop.engine
+        self.pd = pd
         self.http_limits = http_limits
         self.loop = engine_loop
         self.model_name = served_model_name
@@ -167,9 +173,46 @@ class _Handlers:
         except ParamError as e:  # min_tokens above the max_tokens the endpoint chose
             raise ApiError(400, str(e), param=e.param) from None
 
+    def _kv_params(
+        self, body: dict[str, Any], num_prompts: int, sampling: SamplingParams, stream: bool
+    ) -> Any:
+        """The request's checked ``kv_transfer_params`` (prefill/decode disaggregation), or None."""
+        kvp = parse_kv_transfer_params(body)
+        if kvp is None:
+            return None
+        if self.pd is None:
+            raise ApiError(
+                400,
+                "this server takes no kv_transfer_params (start it with --pd-role prefill or "
+                "decode, or with --kv-transfer-port)",
+                param="kv_transfer_params",
+            )
+        self.pd.check_role(kvp)
+        check_pd_request(kvp, num_prompts, sampling, stream)
+        return kvp
+
+    async def _start(
+        self, kvp: Any, rid: str, prompts: list[list[int]], params: list[SamplingParams], n: int
+    ) -> Generation:
+        """Submit the engine requests, or pull a remote prefill's KV and start them from it."""
+        if kvp is not None and kvp.do_remote_prefill:
+            assert self.pd is not None
+            return await self.pd.import_generation(rid, prompts[0], params, kvp)
+        if kvp is not None:  # a prefill for a remote decode: its first choice parks its blocks
+            assert self.pd is not None
+            self.pd.hold(f"{rid}-0")
+        return Generation.submit(self.loop, rid, prompts, params, n)
+
+    def _kv_export(self, kvp: Any, rid: str, outputs: list, body: dict[str, Any]) -> dict[str, Any]:
+        if kvp is not None and kvp.do_remote_decode:
+            assert self.pd is not None
+            body["kv_transfer_params"] = self.pd.export_params(f"{rid}-0", outputs)
+        return body
+
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = parse_completion_request(await self._body(request))
+        body = await self._body(request)
+        req = parse_completion_request(body)
         self._check_model(req.model)
         check_logit_bias(req.sampling.logit_bias, self.limits)
         prompts, params = [], []
@@ -194,31 +237,41 @@ class _Handlers:
             if req.echo
             else None
         )
-        gen = Generation.submit(self.loop, rid, prompts, params, req.sampling.n)
+        kvp = self._kv_params(body, len(req.prompts), req.sampling, req.stream)
+        gen = await self._start(kvp, rid, prompts, params, req.sampling.n)
         if req.stream:
             return EventStreamResponse(
                 self._stream_completion(gen, rid, req.stream_options, req.sampling, echo)
             )
         outputs = await self._wait(request, gen)
         return JSONResponse(
-            R.completion_response(
-                rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode, echo
+            self._kv_export(
+                kvp,
+                rid,
+                outputs,
+                R.completion_response(
+                    rid,
+                    int(time.time()),
+                    self.model_name,
+                    outputs,
+                    req.sampling.n,
+                    self._decode,
+                    echo,
+                ),
             )
         )
 
     async def chat(self, request: Request) -> Response:
-        req = parse_chat_request(await self._body(request))
+        body = await self._body(request)
+        req = parse_chat_request(body)
         self._check_model(req.model)
         check_logit_bias(req.sampling.logit_bias, self.limits)
         ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation.submit(
-            self.loop,
-            rid,
-            [ids] * req.sampling.n,
-            self._params(req.sampling, max_tokens),
-            req.sampling.n,
+        kvp = self._kv_params(body, 1, req.sampling, req.stream)
+        gen = await self._start(
+            kvp, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens), req.sampling.n
         )
         if req.stream:
             return EventStreamResponse(
@@ -226,8 +279,13 @@ class _Handlers:
             )
         outputs = await self._wait(request, gen)
         return JSONResponse(
-            R.chat_response(
-                rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode
+            self._kv_export(
+                kvp,
+                rid,
+                outputs,
+                R.chat_response(
+                    rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode
+                ),
             )
         )
 
@@ -374,6 +432,7 @@ class _Handlers:
         return JSONResponse(
             {
                 **snap.load,
+                **({"pd": self.pd.describe()} if self.pd is not None else {}),
                 "pending": snap.pending,
                 "num_tokens": snap.num_tokens,
                 "timestamp": snap.time,
@@ -422,10 +481,12 @@ def build_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     http_limits: HttpLimits = HttpLimits(),
+    pd: PDWorker | None = None,
 ) -> ErrorGuard:
     """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
-    on startup and stops it on shutdown."""
-    h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name, http_limits)
+    on startup and stops it on shutdown. ``pd``: this worker's part in prefill/decode disaggregation
+    (its KV transfer service runs while the app does; docs/PD.md)."""
+    h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name, http_limits, pd)
     count_error: Callable[[int], None] = engine_loop.metrics.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -457,7 +518,11 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine_loop.start()
+        if pd is not None:
+            await pd.start()
         yield
+        if pd is not None:
+            await pd.stop()
         await asyncio.to_thread(engine_loop.stop)
 
     routes = [

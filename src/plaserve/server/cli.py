@@ -117,6 +117,41 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--max-body-size", default="32MiB", help="largest request body, e.g. 32MiB (default)"
     )
+    pd = p.add_argument_group(
+        "prefill/decode disaggregation", "this worker's role in a PD cluster (docs/PD.md)"
+    )
+    pd.add_argument(
+        "--pd-role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="prefill: prefill for remote decode workers (kv_transfer_params do_remote_decode); "
+        "decode: decode requests whose KV a prefill worker computed (do_remote_prefill); both "
+        "(default): whole requests, as a colocated worker",
+    )
+    pd.add_argument(
+        "--kv-transfer-port",
+        type=int,
+        default=None,
+        help="TCP port of the KV transfer service (default: any free port for the prefill and "
+        "decode roles; none for both unless given)",
+    )
+    pd.add_argument(
+        "--kv-transfer-host",
+        default=None,
+        help="address the transfer service advertises to decode workers (default --host)",
+    )
+    pd.add_argument(
+        "--kv-transfer-ttl",
+        type=float,
+        default=30.0,
+        help="seconds a prefill worker keeps a request's KV blocks for their pull (default 30)",
+    )
+    pd.add_argument(
+        "--kv-pull-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a decode worker waits for each step of a pull (default 30)",
+    )
     sched = p.add_argument_group(
         "scheduling",
         "the step policies' knobs (the length threshold, long chunk size "
@@ -224,7 +259,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or engine.loaded.name
     loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal, model_name=name)
-    app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits)
+    pd = None
+    if args.pd_role != "both" or args.kv_transfer_port is not None:
+        from plaserve.server.pd import PDWorker
+
+        pd = PDWorker(
+            loop,
+            args.pd_role,
+            host=args.host,
+            port=args.kv_transfer_port or 0,
+            advertise_host=args.kv_transfer_host,
+            ttl=args.kv_transfer_ttl,
+            pull_timeout=args.kv_pull_timeout,
+        )
+    app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits, pd=pd)
     if engine.loaded.random_weights:
         print(
             f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design",
@@ -232,7 +280,9 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     print(
         f"plaserve: serving '{name}' on http://{args.host}:{args.port} (policy {loop.snapshot().load['policy']}, "
-        f"max_model_len {engine.max_model_len})",
+        f"max_model_len {engine.max_model_len}"
+        + (f", pd role {args.pd_role}" if pd is not None else "")
+        + ")",
         file=sys.stderr,
         flush=True,
     )

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 from plaserve.engine.engine import LLMEngine
 from plaserve.request import Request, RequestOutput, SamplingParams
@@ -80,7 +80,17 @@ class _Abort:
     request_id: str
 
 
-_Command = Union[Submission, _Abort]
+@dataclass
+class _Call:
+    """Run ``fn(loop)`` on the engine thread between steps; its result or exception goes to ``future``
+    (an asyncio future on ``aloop``)."""
+
+    fn: Callable[["EngineLoop"], Any]
+    aloop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+_Command = Union[Submission, _Abort, _Call]
 
 
 @dataclass(frozen=True)
@@ -230,6 +240,25 @@ class EngineLoop:
             self._inbox.append(_Abort(request_id))
             self._cond.notify()
 
+    async def call(self, fn: Callable[["EngineLoop"], Any]) -> Any:
+        """Run ``fn(self)`` on the engine thread between steps and return what it returns (or raise
+        what it raises): how code outside the engine thread touches the engine's books, e.g. the KV
+        transfers of prefill/decode disaggregation. EngineStoppedError when the loop is not running."""
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+        with self._cond:
+            if not self.alive:
+                raise EngineStoppedError("the engine is not running")
+            self._inbox.append(_Call(fn, aloop, future))
+            self._cond.notify()
+        return await future
+
+    def adopt(self, req: Request, sink: OutputSink) -> None:
+        """Engine thread only: follow ``req``, a request put into the engine directly (not through
+        :meth:`submit`), and deliver its output so far (it may have its first token already)."""
+        self._tracked[req.request_id] = _Tracked(req, sink)
+        self._deliver(RequestOutput.of(req), self.clock())
+
     # --- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -324,6 +353,8 @@ class EngineLoop:
         for cmd in commands:
             if isinstance(cmd, Submission):
                 self._add(cmd)
+            elif isinstance(cmd, _Call):
+                self._run_call(cmd)
             else:
                 self._abort(cmd.request_id)
         self._count_waiting()
@@ -341,6 +372,20 @@ class EngineLoop:
             sub.sink.put(e)
             return
         self._tracked[req.request_id] = _Tracked(req, sub.sink)
+
+    def _run_call(self, call: _Call) -> None:
+        def settle(ok: bool, value: Any) -> None:
+            if not call.future.done():
+                (call.future.set_result if ok else call.future.set_exception)(value)
+
+        try:
+            result, ok = call.fn(self), True
+        except Exception as e:  # noqa: BLE001 - the caller gets it
+            result, ok = e, False
+        try:
+            call.aloop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the event loop is closed: nobody is waiting
+            pass
 
     def _count_waiting(self) -> None:
         with self._cond:
@@ -406,10 +451,18 @@ class EngineLoop:
         """Hand ``error`` to every request the loop knows of; the finished ones count as ``reason``."""
         with self._cond:
             pending = [c for c in self._inbox if isinstance(c, Submission)]
+            calls = [c for c in self._inbox if isinstance(c, _Call)]
             self._inbox = []
             self._in_transit = 0
         for sub in pending:
             sub.sink.put(error)
+        for call in calls:
+            try:
+                call.aloop.call_soon_threadsafe(
+                    lambda f=call.future: f.done() or f.set_exception(error)
+                )
+            except RuntimeError:
+                pass
         for tracked in self._tracked.values():
             req = tracked.request
             cls = tracked.length_class or req.length_class
