@@ -30,6 +30,22 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="workers' base URLs, e.g. http://127.0.0.1:8001 (more can be added at run time: POST /workers)",
     )
+    p.add_argument(
+        "--prefill-urls",
+        nargs="*",
+        default=None,
+        metavar="URL",
+        help="prefill/decode mode (docs/PD.md): the prefill workers (plaserve serve --pd-role "
+        "prefill), chosen by --policy; give --decode-urls too",
+    )
+    p.add_argument(
+        "--decode-urls",
+        nargs="*",
+        default=None,
+        metavar="URL",
+        help="prefill/decode mode: the decode workers (--pd-role decode), chosen by KV utilisation "
+        "and running decodes",
+    )
     p.add_argument("--policy", default="pla", choices=POLICIES, help="routing policy (default pla)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on (default 30000)")
@@ -154,9 +170,27 @@ async def serve_router(args: argparse.Namespace, config: RouterConfig) -> None:
         from plaserve.router.costs import load_cost_profile
 
         profile = load_cost_profile(args.profile)
-    router = Router(list(args.worker_urls), config, tokenizer=tokenizer, profile=profile)
+    prefill, decode = getattr(args, "prefill_urls", None), getattr(args, "decode_urls", None)
+    if bool(prefill) != bool(decode):
+        raise ValueError("prefill/decode mode needs both --prefill-urls and --decode-urls")
+    if prefill and args.worker_urls:
+        raise ValueError("give either --worker-urls or --prefill-urls with --decode-urls")
+    router = Router(
+        list(prefill or args.worker_urls),
+        config,
+        tokenizer=tokenizer,
+        profile=profile,
+        decode_urls=list(decode) if decode else None,
+    )
     runner = await serve(router, args.host, args.port)
     healthy = sum(w.healthy for w in router.workers.values())
+    if router.decode_tier is not None:
+        d = router.decode_tier
+        print(
+            f"plaserve route: prefill/decode mode, {len(d.available())}/{len(d.workers)} healthy "
+            f"decode worker(s)",
+            file=sys.stderr,
+        )
     print(
         f"plaserve route: http://{args.host}:{args.port} -> {healthy}/{len(router.workers)} healthy worker(s), "
         f"policy {config.policy}, short threshold {router.short_threshold} ({router.threshold_source})",

@@ -1,4 +1,6 @@
-"""``plaserve cluster --workers N [MODEL_DIR]``: N workers and a router on one machine.
+"""``plaserve cluster --workers N [MODEL_DIR]``: N workers and a router on one machine;
+``plaserve cluster --prefill N --decode M``: a prefill/decode cluster (docs/PD.md), N prefill workers
+and M decode workers behind a router in PD mode.
 
 Starts N ``plaserve serve`` processes on consecutive ports (the machine's CPU threads split evenly
 between them; with ``--gpus`` each worker sees one of the listed GPUs, in turn), waits until each
@@ -27,7 +29,13 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local Hugging Face model directory (default: the embedded random-weight model)",
     )
-    p.add_argument("--workers", type=int, required=True, help="number of worker processes")
+    p.add_argument("--workers", type=int, default=None, help="number of (colocated) workers")
+    p.add_argument(
+        "--prefill", type=int, default=None, help="prefill/decode mode: number of prefill workers"
+    )
+    p.add_argument(
+        "--decode", type=int, default=None, help="prefill/decode mode: number of decode workers"
+    )
     p.add_argument(
         "--worker-base-port",
         type=int,
@@ -83,7 +91,16 @@ def run_cluster(args: argparse.Namespace) -> int:
     """Start the workers and the router; serve until interrupted. Returns the exit status."""
     from plaserve.launcher import ServerProcess
 
-    if args.workers < 1:
+    pd = args.prefill is not None or args.decode is not None
+    if pd and (args.workers is not None or not args.prefill or not args.decode):
+        print(
+            "plaserve cluster: give --prefill N and --decode M (each at least 1), or --workers N",
+            file=sys.stderr,
+        )
+        return 2
+    if pd:
+        args.workers = args.prefill + args.decode
+    if args.workers is None or args.workers < 1:
         print("plaserve cluster: --workers must be at least 1", file=sys.stderr)
         return 2
     try:
@@ -93,9 +110,12 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 2
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     base = worker_args(args)
+    roles = (
+        ["prefill"] * args.prefill + ["decode"] * args.decode if pd else [None] * args.workers
+    )
     procs = [
         ServerProcess(
-            base,
+            base + (["--pd-role", roles[i]] if roles[i] else []),
             port=(args.worker_base_port + i) if args.worker_base_port else None,
             env=worker_env(i, args.workers, gpus),
             startup_timeout=args.startup_timeout,
@@ -111,7 +131,11 @@ def run_cluster(args: argparse.Namespace) -> int:
         with ThreadPoolExecutor(args.workers) as pool:
             for f in [pool.submit(p.start) for p in procs]:
                 f.result()  # re-raises a worker that failed to start
-        args.worker_urls = [p.url for p in procs]
+        if pd:
+            args.prefill_urls = [p.url for p, r in zip(procs, roles) if r == "prefill"]
+            args.decode_urls = [p.url for p, r in zip(procs, roles) if r == "decode"]
+        else:
+            args.worker_urls = [p.url for p in procs]
         print(
             f"plaserve cluster: {args.workers} worker(s) healthy; router at http://{args.host}:{args.port}",
             flush=True,

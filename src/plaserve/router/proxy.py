@@ -48,6 +48,7 @@ from plaserve.router.forward import (
 from plaserve.router.health import WorkerMonitor
 from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
+from plaserve.router.pd import DecodeTier, generate_pd
 from plaserve.router.policies import Job, make_policy
 from plaserve.router.pools import LONG, SHORT
 from plaserve.router.workers import Worker
@@ -77,7 +78,10 @@ class Router:
         tokenizer: Tokenizer | None = None,
         profile: tuple[CostModel, int | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        decode_urls: list[str] | None = None,
     ) -> None:
+        """``decode_urls``: prefill/decode mode (``router/pd.py``): ``worker_urls`` are then the prefill
+        workers, and each request's decode runs on one of these."""
         config = config or RouterConfig()
         self.config = config
         self._clock = clock
@@ -115,6 +119,11 @@ class Router:
         )
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        self.decode_tier = (
+            DecodeTier(decode_urls, config, lambda: self.session, auth, clock)
+            if decode_urls
+            else None
+        )
 
     # --- lifecycle -------------------------------------------------------------------------------
     @property
@@ -130,6 +139,8 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
         )
         await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
+        if self.decode_tier is not None:
+            await self.decode_tier.start()
         self.monitor.start()
         self.dispatcher.start()
         self._tasks.append(asyncio.create_task(self._controller_loop()))
@@ -137,6 +148,8 @@ class Router:
     async def stop(self) -> None:
         await self.dispatcher.stop()
         await self.monitor.stop()
+        if self.decode_tier is not None:
+            await self.decode_tier.stop()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -271,8 +284,10 @@ class Router:
         est = await self.estimate(path, body)
         self.metrics.child(self.metrics.estimates, est.method).inc()
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
-        stream = body.get("stream") is True
         headers = request_headers(request.headers)
+        if self.decode_tier is not None:
+            return await generate_pd(self, request, path, body, job, headers)
+        stream = body.get("stream") is True
         tried: set[str] = set()
         failure: _Failure | None = None
         for attempt in range(self.config.max_attempts):
@@ -492,15 +507,14 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         n = len(self.dispatcher.available(self._clock()))
-        status = 200 if n else 503
-        return web.json_response(
-            {
-                "status": "ok" if n else "no worker available",
-                "workers_available": n,
-                "workers": len(self.workers),
-            },
-            status=status,
-        )
+        out: dict[str, Any] = {"workers_available": n, "workers": len(self.workers)}
+        ok = n > 0
+        if self.decode_tier is not None:  # PD: a prefill worker and a decode worker are needed
+            d = len(self.decode_tier.available())
+            out.update(decode_workers_available=d, decode_workers=len(self.decode_tier.workers))
+            ok = ok and d > 0
+        out["status"] = "ok" if ok else "no worker available"
+        return web.json_response(out, status=200 if ok else 503)
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -526,6 +540,8 @@ class Router:
                 w.describe(now, self.config.health.load_stale_s) for w in self.workers.values()
             ],
         }
+        if self.decode_tier is not None:
+            out["decode_workers"] = self.decode_tier.describe()
         short_pool = getattr(self.policy, "short_pool", None)
         if short_pool is not None:
             out["policy"]["short_pool_now"] = [

@@ -1,0 +1,405 @@
+"""Prefill/decode disaggregation with real ``plaserve serve`` and ``plaserve route`` processes on
+127.0.0.1 (docs/PD.md).
+
+First the workers alone, spoken to by hand the way vLLM's disaggregated proxy speaks: the prefill
+request with ``kv_transfer_params.do_remote_decode``, then the original request with the prefill's
+``kv_transfer_params`` to the decode worker, which pulls the KV over TCP. Then ``plaserve route
+--prefill-urls --decode-urls`` with the official OpenAI client, and the failures: a prefill worker
+killed after answering, a decode worker killed mid-stream.
+
+A prefill worker also answers plain requests (no ``kv_transfer_params``) as a colocated worker does:
+those are the reference the PD answers must equal token for token (greedy)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from plaserve.launcher import RouterProcess, ServerProcess
+
+ARGS = ["--kv-cache-memory", "16MiB", "--max-model-len", "1024", "--no-compile"]
+TTL = 0.8  # seconds a parked prefill waits for its pull
+
+
+@pytest.fixture(scope="module")
+def workers(qwen2_ckpt: str) -> Iterator[dict[str, ServerProcess]]:
+    """Two prefill and two decode workers, started at once; the ``doomed_*`` ones die in the
+    failure tests (which therefore run last)."""
+    roles = {
+        "prefill": ["--pd-role", "prefill", "--kv-transfer-ttl", str(TTL)],
+        "decode": ["--pd-role", "decode"],
+        "doomed_prefill": ["--pd-role", "prefill"],
+        "doomed_decode": ["--pd-role", "decode"],
+    }
+    procs = {name: ServerProcess([qwen2_ckpt, *ARGS, *extra]) for name, extra in roles.items()}
+    try:
+        with ThreadPoolExecutor(len(procs)) as pool:
+            for f in [pool.submit(p.start) for p in procs.values()]:
+                f.result()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill(workers: dict[str, ServerProcess]) -> ServerProcess:
+    return workers["prefill"]
+
+
+@pytest.fixture(scope="module")
+def decode(workers: dict[str, ServerProcess]) -> ServerProcess:
+    return workers["decode"]
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def prefill_request(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The proxy's first leg: ``max_tokens: 1``, not streamed, ``do_remote_decode``."""
+    first = {
+        **body,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    first.pop("stream_options", None)
+    r = post(url, path, first)
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_port"] > 0
+    return params
+
+
+def texts(path: str, body: dict[str, Any]) -> list[str]:
+    """The choices' texts of a finished (non-streamed) response body."""
+    if path == "/v1/chat/completions":
+        return [c["message"]["content"] for c in body["choices"]]
+    return [c["text"] for c in body["choices"]]
+
+
+def stream_texts(url: str, path: str, body: dict[str, Any]) -> list[str]:
+    out: dict[int, str] = {}
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            for c in event["choices"]:
+                piece = c.get("text") if "text" in c else c.get("delta", {}).get("content")
+                out[c["index"]] = out.get(c["index"], "") + (piece or "")
+    return [out[i] for i in sorted(out)]
+
+
+def through_pd(
+    prefill: str, decode: str, path: str, body: dict[str, Any], stream: bool
+) -> list[str]:
+    params = prefill_request(prefill, path, body)
+    second = {**body, "kv_transfer_params": params}
+    if stream:
+        return stream_texts(decode, path, second)
+    r = post(decode, path, second)
+    assert r.status_code == 200, r.text
+    return texts(path, r.json())
+
+
+def load(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/load", timeout=10).json()
+
+
+def wait_blocks_zero(url: str, timeout: float = 10.0) -> None:
+    """Every KV block of the worker is free again (the prefix cache keeps content, not references)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if load(url)["kv"]["used_blocks"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{url} still holds {load(url)['kv']['used_blocks']} KV blocks")
+
+
+LONG = " ".join(f"word{i % 37} thing{i % 11}" for i in range(75))  # ~650 tokens: 40 blocks
+
+CASES = [
+    ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 12}),
+    ("/v1/completions", {"prompt": LONG, "max_tokens": 8}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Say something long"}], "max_tokens": 10},
+    ),
+    ("/v1/completions", {"prompt": "A prompt with two choices", "max_tokens": 6, "n": 2}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_pd_outputs_equal_colocated(
+    prefill: ServerProcess, decode: ServerProcess, stream: bool
+) -> None:
+    for path, body in CASES:
+        body = {**body, "temperature": 0}
+        ref = texts(path, post(prefill.url, path, body).json())
+        got = through_pd(prefill.url, decode.url, path, body, stream)
+        assert got == ref, (path, body.get("n"), got, ref)
+    wait_blocks_zero(prefill.url)
+    wait_blocks_zero(decode.url)
+
+
+def test_prefix_cached_prompt_pulls_only_missing_blocks(
+    prefill: ServerProcess, decode: ServerProcess
+) -> None:
+    path = "/v1/completions"
+    head = " ".join(f"shared{i % 13}" for i in range(120))
+    first = {"prompt": head + " first question", "max_tokens": 5, "temperature": 0}
+    second = {"prompt": head + " another question", "max_tokens": 5, "temperature": 0}
+    through_pd(prefill.url, decode.url, path, first, stream=False)
+
+    def received_blocks() -> float:
+        text = httpx.get(decode.url + "/metrics", timeout=10).text
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith('plaserve_kv_transfer_blocks_total{direction="received"}')
+        )
+
+    before = received_blocks()
+    params = prefill_request(prefill.url, path, second)
+    r = post(decode.url, path, {**second, "kv_transfer_params": params})
+    pulled = received_blocks() - before
+    assert texts(path, r.json()) == texts(path, post(prefill.url, path, second).json())
+    # The shared head's blocks were in the decode worker's prefix cache: only the tail came over.
+    assert 0 < pulled < len(params["remote_block_ids"]) / 2, (pulled, params["remote_block_ids"])
+    wait_blocks_zero(prefill.url)
+    wait_blocks_zero(decode.url)
+
+
+def test_unpulled_prefill_expires_and_frees_its_blocks(prefill: ServerProcess) -> None:
+    params = prefill_request(prefill.url, "/v1/completions", {"prompt": LONG, "temperature": 0})
+    assert load(prefill.url)["kv"]["used_blocks"] >= len(params["remote_block_ids"]) > 0
+    wait_blocks_zero(prefill.url, timeout=TTL + 3)
+    metrics = httpx.get(prefill.url + "/metrics", timeout=10).text
+    assert "plaserve_kv_transfer_expired_total 1.0" in metrics or (
+        "plaserve_kv_transfer_expired_total" in metrics
+    )
+
+
+def test_pull_of_an_expired_prefill_is_a_503_and_frees_the_reservation(
+    prefill: ServerProcess, decode: ServerProcess
+) -> None:
+    body = {"prompt": LONG + " expired", "max_tokens": 4, "temperature": 0}
+    params = prefill_request(prefill.url, "/v1/completions", body)
+    wait_blocks_zero(prefill.url, timeout=TTL + 3)
+    r = post(decode.url, "/v1/completions", {**body, "kv_transfer_params": params})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_pull_failed", r.text
+    wait_blocks_zero(decode.url)
+
+
+def test_bad_kv_transfer_params_are_400s(prefill: ServerProcess, decode: ServerProcess) -> None:
+    path = "/v1/completions"
+    bad = [
+        (decode.url, {"kv_transfer_params": "yes"}, "must be an object"),
+        (decode.url, {"kv_transfer_params": {"do_remote_decode": True}}, "decode worker"),
+        (prefill.url, {"kv_transfer_params": {"do_remote_decode": True}, "stream": True}, "stream"),
+        (
+            decode.url,
+            {"kv_transfer_params": {"do_remote_prefill": True, "remote_port": 1}},
+            "first_token_ids",
+        ),
+        (
+            decode.url,
+            {
+                "kv_transfer_params": {
+                    "do_remote_prefill": True,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": 1,
+                    "remote_request_id": "x",
+                    "num_prompt_tokens": 999,
+                    "first_token_ids": [1],
+                }
+            },
+            "prompt tokens",
+        ),
+        (
+            prefill.url,
+            {"kv_transfer_params": {"do_remote_decode": True}, "logprobs": 2},
+            "logprobs",
+        ),
+    ]
+    for url, extra, words in bad:
+        r = post(url, path, {"prompt": "hello", "max_tokens": 2, **extra})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (extra, r.text)
+    wait_blocks_zero(decode.url)
+
+
+# --- through the router ----------------------------------------------------------------------------
+ROUTER_ARGS = ["--health-check-interval-secs", "0.2", "--load-interval-ms", "100"]
+
+
+def pd_router(prefill_urls: list[str], decode_urls: list[str], *extra: str) -> RouterProcess:
+    return RouterProcess(
+        [],
+        ["--prefill-urls", *prefill_urls, "--decode-urls", *decode_urls, *ROUTER_ARGS, *extra],
+    )
+
+
+@pytest.fixture(scope="module")
+def router(prefill: ServerProcess, decode: ServerProcess) -> Iterator[RouterProcess]:
+    with pd_router([prefill.url], [decode.url]) as proc:
+        yield proc
+
+
+def test_router_pd_equals_colocated_with_the_openai_client(
+    prefill: ServerProcess, decode: ServerProcess, router: RouterProcess
+) -> None:
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+    ref_client = openai.OpenAI(base_url=f"{prefill.url}/v1", api_key="x", max_retries=0)
+    for prompt, n in [("Once upon a time", 1), (LONG, 1), ("Two ways to say it", 2)]:
+        kw = {"model": "qwen20", "prompt": prompt, "max_tokens": 10, "temperature": 0, "n": n}
+        ref = [c.text for c in ref_client.completions.create(**kw).choices]
+        assert [c.text for c in client.completions.create(**kw).choices] == ref
+        parts: dict[int, str] = {}
+        for chunk in client.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                parts[c.index] = parts.get(c.index, "") + c.text
+        assert [parts[i] for i in sorted(parts)] == ref
+    messages = [{"role": "user", "content": "Tell me about foxes"}]
+    ref = ref_client.chat.completions.create(
+        model="qwen20", messages=messages, max_tokens=8, temperature=0
+    )
+    got = client.chat.completions.create(
+        model="qwen20", messages=messages, max_tokens=8, temperature=0
+    )
+    assert got.choices[0].message.content == ref.choices[0].message.content
+    # Logprobs do not travel through PD: the router runs such a request whole on a decode worker.
+    with_logprobs = client.completions.create(
+        model="qwen20", prompt="Hello", max_tokens=3, temperature=0, logprobs=1
+    )
+    assert len(with_logprobs.choices[0].logprobs.tokens) == 3
+    workers = httpx.get(router.url + "/workers", timeout=10).json()
+    assert [w["url"] for w in workers["decode_workers"]] == [decode.url]
+    wait_blocks_zero(prefill.url)
+    wait_blocks_zero(decode.url)
+
+
+def test_client_gone_mid_stream_frees_blocks_on_both_sides(
+    prefill: ServerProcess, decode: ServerProcess, router: RouterProcess
+) -> None:
+    body = {"prompt": LONG, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # the first token: then hang up
+    wait_blocks_zero(decode.url)
+    wait_blocks_zero(prefill.url)
+
+
+class KillingTap:
+    """A plain HTTP forwarder in front of a worker that kills the worker (SIGKILL) right after
+    forwarding its first answer to a prefill (``do_remote_decode``): the router then holds
+    ``kv_transfer_params`` naming a worker that is gone."""
+
+    def __init__(self, target: ServerProcess) -> None:
+        self.target = target
+        self.killed = threading.Event()
+        tap = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                data = self.rfile.read(length) if length else b""
+                try:
+                    r = httpx.request(
+                        method,
+                        target.url + self.path,
+                        content=data,
+                        timeout=60,
+                        headers={"content-type": "application/json"},
+                    )
+                    status, body = r.status_code, r.content
+                except httpx.HTTPError:
+                    status, body = 502, b'{"error": {"message": "gone"}}'
+                if method == "POST" and b"do_remote_decode" in data and status == 200:
+                    target.proc.kill()  # answered: now the KV it parked is gone with it
+                    target.proc.wait()
+                    tap.killed.set()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "KillingTap":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_prefill_worker_killed_after_answering_reruns_the_prefill(
+    workers: dict[str, ServerProcess], prefill: ServerProcess, decode: ServerProcess
+) -> None:
+    doomed = workers["doomed_prefill"]
+    body = {"prompt": LONG + " once more", "max_tokens": 6, "temperature": 0}
+    ref = texts("/v1/completions", post(prefill.url, "/v1/completions", body).json())
+    with KillingTap(doomed) as tap:
+        # Round robin, the tapped worker first: the first request's prefill runs there.
+        with pd_router([tap.url, prefill.url], [decode.url], "--policy", "round_robin") as router:
+            r = post(router.url, "/v1/completions", body)
+            assert tap.killed.is_set()
+            assert r.status_code == 200, r.text
+            assert texts("/v1/completions", r.json()) == ref
+            metrics = httpx.get(router.url + "/metrics", timeout=10).text
+            assert any(
+                line.startswith("plaserve_router_retries_total") and float(line.split()[-1]) >= 1
+                for line in metrics.splitlines()
+            ), metrics
+    wait_blocks_zero(prefill.url)
+    wait_blocks_zero(decode.url)
+
+
+def test_decode_worker_killed_mid_stream_ends_with_an_error_event(
+    workers: dict[str, ServerProcess], prefill: ServerProcess
+) -> None:
+    doomed_decode = workers["doomed_decode"]
+    with pd_router([prefill.url], [doomed_decode.url]) as router:
+        body = {"prompt": "Tell a very long story", "max_tokens": 900, "temperature": 0}
+        events = []
+        with httpx.stream(
+            "POST", router.url + "/v1/completions", json={**body, "stream": True}, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    doomed_decode.proc.kill()
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]), events[-3:]
+    # The prefill worker's blocks were pulled before the decode worker died.
+    wait_blocks_zero(prefill.url)
