@@ -18,7 +18,8 @@ TTFT p50/p99 by class, output tokens per second, and the KV blocks each worker h
 over (must be 0). For PD also the transfer cost (the decode worker's ``plaserve_kv_transfer_*``
 metrics: ms and MB per 1,000 prompt tokens pulled) against the loopback bandwidth measured in the same
 run (one asyncio stream, 256 MiB), and, after the trace, the TTFT of one 4,096-token prompt on the idle
-PD pair against the transfer time of its KV (``--probe`` repetitions, median). Targets (issue 19): TBT
+PD pair (after ``--probe-idle`` seconds without work) against the transfer time of its KV
+(``--probe`` repetitions, median). Targets (issue 19): TBT
 p99 with PD at most 1/3 of colocated; the transfer at most 10 % of a 4,096-token prompt's TTFT; no
 block left.
 
@@ -35,6 +36,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -122,7 +124,11 @@ async def loopback_bandwidth(size: int = 256 * 2**20, chunk: int = 4 * 2**20) ->
     return size / seconds
 
 
-def scaled_trace(args: argparse.Namespace, cost) -> tuple[list[TraceRequest], float]:
+def scaled_trace(
+    args: argparse.Namespace, cost, scale: float | None
+) -> tuple[list[TraceRequest], float]:
+    """The trace slice, arrivals scaled by ``scale`` or else so that ``cost`` predicts ``--load``
+    of one worker's time in prefills (the second setup reuses the first's scale)."""
     reqs = load_trace(
         find_trace("azure_code_2023.csv"),
         start=args.start,
@@ -130,8 +136,9 @@ def scaled_trace(args: argparse.Namespace, cost) -> tuple[list[TraceRequest], fl
         max_prompt_tokens=args.max_prompt,
         max_output_tokens=args.max_output,
     )
-    work = sum(cost.prefill_time(r.prompt_tokens) for r in reqs)
-    scale = work / args.load / reqs[-1].arrival
+    if scale is None:
+        work = sum(cost.prefill_time(r.prompt_tokens) for r in reqs)
+        scale = work / args.load / reqs[-1].arrival
     return [dataclasses.replace(r, arrival=r.arrival * scale) for r in reqs], scale
 
 
@@ -169,7 +176,7 @@ def ttft_probe(url: str, tokens: int) -> float:
     raise RuntimeError(f"no token from {url}")
 
 
-def run_setup(label: str, args: argparse.Namespace) -> dict:
+def run_setup(label: str, args: argparse.Namespace, scale: float | None) -> dict:
     pd = label == "pd"
     procs = start_workers(["prefill", "decode"] if pd else [None, None], args)
     urls = [p.url for p in procs]
@@ -180,7 +187,7 @@ def run_setup(label: str, args: argparse.Namespace) -> dict:
             else ["--worker-urls", *urls]
         )
         cost = cost_model_from_dict(httpx.get(urls[0] + "/load").json()["cost_model"], "worker")
-        requests, scale = scaled_trace(args, cost)
+        requests, scale = scaled_trace(args, cost, scale)
         with RouterProcess([], route) as router:
             time.sleep(1.0)  # a few /load polls
             load_before = os.getloadavg()[0]
@@ -209,6 +216,8 @@ def run_setup(label: str, args: argparse.Namespace) -> dict:
                     "mb_per_1k_prompt_tokens": nbytes / 1e6 / prompt_tokens * 1000,
                     "achieved_mb_s": nbytes / 1e6 / seconds if seconds else None,
                 }
+            # Idle first: pla runs a long prompt whole only once its busy meter (10 s) says light load.
+            time.sleep(args.probe_idle)
             probes = []
             for _ in range(args.probe):
                 before = metric(urls[1], "plaserve_kv_transfer_seconds_sum", 'direction="received"')
@@ -273,6 +282,13 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--probe", type=int, default=3, help="4,096-token TTFT probes per setup")
+    p.add_argument("--probe-idle", type=float, default=12.0, help="idle seconds before the probes")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="inter-arrival multiplier (default: from --load and the first setup's cost model)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -281,9 +297,12 @@ def main() -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     results["loopback_mb_s"] = asyncio.run(loopback_bandwidth()) / 1e6
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the workers on the way out
+    scale = args.time_scale
     for label in ("colocated", "pd"):
         print(f"running {label} ...", file=sys.stderr, flush=True)
-        results[label] = run_setup(label, args)
+        results[label] = run_setup(label, args, scale)
+        scale = results[label]["time_scale"]
         print(json.dumps(results[label], indent=1), file=sys.stderr, flush=True)
     print(table(results))
     if args.out:

@@ -226,8 +226,17 @@ class KVHandoff:
         eng, kv = self.engine, self.engine.allocator
         if res.released or res.allocator is not kv:
             raise KVTransferError("the engine restarted while the KV was arriving; retry")
-        res.released = True
         n, bs = len(res.token_ids), kv.block_size
+        copies = (len(choices) - 1) * (1 if n % bs else 0)
+        if not kv.can_allocate(copies):  # taken by running requests while the KV arrived
+            raise KVTransferError(
+                f"this decode worker has {kv.num_free_blocks} free KV blocks, the choices' copies "
+                f"need {copies}; try another"
+            )
+        taken = {rid for rid, _, _ in choices if rid in eng.requests}
+        if taken:
+            raise KVTransferError(f"request id {sorted(taken)[0]!r} is already in use")
+        res.released = True
         table = res.block_table
         num_full = n // bs
         # Index the pulled full blocks, so that later prompts with this prefix find them.
@@ -235,8 +244,6 @@ class KVHandoff:
         reqs = []
         now = eng.clock()
         for i, (rid, params, first) in enumerate(choices):
-            if rid in eng.requests:
-                raise KVTransferError(f"request id {rid!r} is already in use")
             if i == 0:
                 blocks = table
             else:

@@ -110,9 +110,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         return 2
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()] if args.gpus else None
     base = worker_args(args)
-    roles = (
-        ["prefill"] * args.prefill + ["decode"] * args.decode if pd else [None] * args.workers
-    )
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode if pd else [None] * args.workers
     procs = [
         ServerProcess(
             base + (["--pd-role", roles[i]] if roles[i] else []),

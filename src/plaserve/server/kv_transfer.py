@@ -250,6 +250,16 @@ async def pull(
     finally:
         writer.close()
     seconds = time.monotonic() - start
+    log.debug(
+        "pulled %d blocks (%d bytes; %d cached here) of %s from %s:%d in %.1f ms",
+        len(res.fresh),
+        received,
+        len(res.cached),
+        request_id,
+        host,
+        port,
+        seconds * 1000,
+    )
     metrics.seconds.labels("received").observe(seconds)
     metrics.bytes.labels("received").inc(received)
     metrics.blocks.labels("received").inc(len(res.fresh))

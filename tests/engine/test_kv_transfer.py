@@ -1,0 +1,121 @@
+"""KV export and import between two engines in one process (engine/kv_transfer.py): the bytes
+``read_layer`` gives go into ``write_layer`` the way the transfer service carries them."""
+
+from __future__ import annotations
+
+import torch
+
+from plaserve import EngineConfig, LLMEngine, SamplingParams
+from plaserve.engine.kv_transfer import KVTransferError
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+FIRST = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def make_engine(path: str) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig.from_kwargs(
+            model=path, dtype="float32", kv_cache_memory="8MiB", max_model_len=1024
+        )
+    )
+
+
+def finish(engine: LLMEngine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def handoff(src: LLMEngine, dst: LLMEngine, ids: list[int], rid: str, n: int = 1):
+    """Prefill ``ids`` on ``src`` (parked), move its KV to ``dst``, decode ``n`` choices there."""
+    src.kv_handoff.hold(rid)
+    first = src.add_request(ids, FIRST, request_id=rid)
+    finish(src)
+    res = dst.kv_handoff.reserve(ids, n)
+    blocks = src.kv_handoff.parked_blocks(rid, len(res.cached))
+    assert len(blocks) == len(res.fresh)
+    for layer in range(len(src.kv_handoff.kv_caches)):
+        k, v = src.kv_handoff.read_layer(layer, blocks) if blocks else (b"", b"")
+        if blocks:
+            dst.kv_handoff.write_layer(layer, res.fresh, k, v)
+    assert src.kv_handoff.release(rid)
+    token = first.output_token_ids[0]
+    reqs = dst.kv_handoff.admit(
+        res, [(f"{rid}-{i}", GREEDY, token) for i in range(n)], arrival_time=dst.clock()
+    )
+    finish(dst)
+    return res, reqs
+
+
+def test_imported_kv_decodes_as_the_colocated_engine(llama_ckpt) -> None:
+    src, dst, ref = make_engine(llama_ckpt), make_engine(llama_ckpt), make_engine(llama_ckpt)
+    for i, n in enumerate([5, 16, 100, 333]):  # partial, exact and many blocks
+        ids = prompt(n, i)
+        want = ref.add_request(ids, GREEDY)
+        finish(ref)
+        res, (got, twin) = handoff(src, dst, ids, f"r{i}", n=2)
+        assert got.output_token_ids == want.output_token_ids == twin.output_token_ids
+    for engine in (src, dst):
+        assert engine.allocator.num_used_blocks == 0 and not engine.kv_handoff.parked
+
+
+def test_a_cached_prefix_is_not_pulled_again(llama_ckpt) -> None:
+    src, dst = make_engine(llama_ckpt), make_engine(llama_ckpt)
+    head = prompt(160, 7)  # 10 full blocks
+    handoff(src, dst, head + prompt(20, 8), "a")
+    res, (req,) = handoff(src, dst, head + prompt(30, 9), "b")
+    assert len(res.cached) == 10 and len(res.fresh) == 2
+    assert len(req.output_token_ids) == GREEDY.max_tokens
+    assert dst.allocator.num_used_blocks == 0
+
+
+def test_parked_blocks_expire_and_unknown_pulls_are_refused(llama_ckpt) -> None:
+    now = [0.0]
+    src = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=llama_ckpt, dtype="float32", kv_cache_memory="8MiB", max_model_len=1024
+        ),
+        clock=lambda: now[0],
+    )
+    src.kv_handoff.ttl = 5.0
+    src.kv_handoff.hold("x")
+    src.add_request(prompt(50, 1), FIRST, request_id="x")
+    finish(src)
+    assert src.allocator.num_used_blocks == 4
+    now[0] = 4.0
+    assert src.kv_handoff.expire() == 0
+    now[0] = 5.0
+    assert src.kv_handoff.expire() == 1 and src.allocator.num_used_blocks == 0
+    try:
+        src.kv_handoff.parked_blocks("x", 0)
+    except KVTransferError as e:
+        assert "no KV is parked" in str(e)
+    else:
+        raise AssertionError("an expired export was still served")
+    # An aborted prefill parks nothing.
+    src.kv_handoff.hold("y")
+    src.add_request(prompt(50, 2), FIRST, request_id="y")
+    src.abort("y")
+    finish(src)
+    assert not src.kv_handoff.parked and src.allocator.num_used_blocks == 0
+
+
+def test_a_reservation_without_room_is_refused_and_cancel_frees(llama_ckpt) -> None:
+    dst = make_engine(llama_ckpt)
+    held = []
+    for i in range(dst.allocator.num_blocks // 32 + 2):
+        try:
+            held.append(dst.kv_handoff.reserve(prompt(500, 10 + i), 1))  # 32 blocks each
+        except KVTransferError as e:
+            assert "free KV blocks" in str(e)
+            break
+    else:
+        raise AssertionError("reservations beyond the cache's size were granted")
+    assert dst.allocator.num_used_blocks == 32 * len(held)
+    for res in held:
+        dst.kv_handoff.cancel(res)
+        dst.kv_handoff.cancel(res)  # idempotent
+    assert dst.allocator.num_used_blocks == 0
