@@ -17,7 +17,7 @@ Reported per setup: time between tokens p50/p99 (what PD is for: long prefills s
 TTFT p50/p99 by class, output tokens per second, and the KV blocks each worker holds once the run is
 over (must be 0). For PD also the transfer cost (the decode worker's ``plaserve_kv_transfer_*``
 metrics: ms and MB per 1,000 prompt tokens pulled) against the loopback bandwidth measured in the same
-run (one asyncio stream, 256 MiB), and, after the trace, the TTFT of one 4,096-token prompt on the idle
+run (one asyncio stream between two processes, 256 MiB, best of three), and, after the trace, the TTFT of one 4,096-token prompt on the idle
 PD pair (after ``--probe-idle`` seconds without work) against the transfer time of its KV
 (``--probe`` repetitions, median). Targets (issue 19): TBT
 p99 with PD at most 1/3 of colocated; the transfer at most 10 % of a 4,096-token prompt's TTFT; no
@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import os
 import signal
 import statistics
@@ -94,33 +95,51 @@ def used_blocks(urls: list[str], wait_s: float = 30.0) -> list[int]:
         time.sleep(0.2)
 
 
-async def loopback_bandwidth(size: int = 256 * 2**20, chunk: int = 4 * 2**20) -> float:
-    """Bytes per second through one asyncio TCP stream on 127.0.0.1 (the transfer's own mechanism)."""
-    done = asyncio.Event()
+def _sink(port_queue, size: int, chunk: int) -> None:
+    """The receiving end of :func:`loopback_bandwidth`, in a process of its own."""
 
-    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        left = size
-        while left:
-            left -= len(await reader.readexactly(min(chunk, left)))
-        writer.write(b"ok\n")
-        await writer.drain()
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            left = size
+            while left:
+                left -= len(await reader.readexactly(min(chunk, left)))
+            writer.write(b"ok\n")
+            await writer.drain()
+            writer.close()
+            done.set()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port_queue.put(server.sockets[0].getsockname()[1])
+        await done.wait()
+        server.close()
+
+    asyncio.run(main())
+
+
+def loopback_bandwidth(size: int = 256 * 2**20, chunk: int = 4 * 2**20) -> float:
+    """Bytes per second through one asyncio TCP stream on 127.0.0.1 between two processes (the
+    transfer's own mechanism: asyncio streams, whole buffers)."""
+    ports: multiprocessing.Queue = multiprocessing.Queue()
+    sink = multiprocessing.Process(target=_sink, args=(ports, size, chunk))
+    sink.start()
+    port = ports.get(timeout=60)
+
+    async def send() -> float:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        block = b"\0" * chunk
+        start = time.perf_counter()
+        for _ in range(size // chunk):
+            writer.write(block)
+            await writer.drain()
+        await reader.readline()
+        seconds = time.perf_counter() - start
         writer.close()
-        done.set()
+        return seconds
 
-    server = await asyncio.start_server(sink, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    block = b"\0" * chunk
-    start = time.perf_counter()
-    for _ in range(size // chunk):
-        writer.write(block)
-        await writer.drain()
-    await reader.readline()
-    seconds = time.perf_counter() - start
-    writer.close()
-    await done.wait()
-    server.close()
-    await server.wait_closed()
+    seconds = asyncio.run(send())
+    sink.join(60)
     return size / seconds
 
 
@@ -296,7 +315,8 @@ def main() -> int:
         "args": vars(args),
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
-    results["loopback_mb_s"] = asyncio.run(loopback_bandwidth()) / 1e6
+    # Best of three: the machine is shared, and the capacity is what the best run shows.
+    results["loopback_mb_s"] = max(loopback_bandwidth() for _ in range(3)) / 1e6
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the workers on the way out
     scale = args.time_scale
     for label in ("colocated", "pd"):

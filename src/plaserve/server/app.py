@@ -198,10 +198,17 @@ class _Handlers:
         if kvp is not None and kvp.do_remote_prefill:
             assert self.pd is not None
             return await self.pd.import_generation(rid, prompts[0], params, kvp)
-        if kvp is not None:  # a prefill for a remote decode: its first choice parks its blocks
-            assert self.pd is not None
-            self.pd.hold(f"{rid}-0")
-        return Generation.submit(self.loop, rid, prompts, params, n)
+        if kvp is None:
+            return Generation.submit(self.loop, rid, prompts, params, n)
+        assert (
+            self.pd is not None
+        )  # a prefill for a remote decode: its first choice parks its blocks
+        self.pd.hold(f"{rid}-0")
+        try:
+            return Generation.submit(self.loop, rid, prompts, params, n)
+        except ApiError:
+            self.loop.engine.kv_handoff.forget(f"{rid}-0")
+            raise
 
     def _kv_export(self, kvp: Any, rid: str, outputs: list, body: dict[str, Any]) -> dict[str, Any]:
         if kvp is not None and kvp.do_remote_decode:
