@@ -20,6 +20,7 @@ Everything but ``read_layer``/``write_layer`` runs on the engine's thread.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -109,8 +110,9 @@ class KVHandoff:
             dtype=str(k.dtype).removeprefix("torch."),
         )
 
-    def read_layer(self, layer: int, block_ids: list[int]) -> tuple[bytes, bytes]:
-        """One layer's K and V of ``block_ids``, as raw bytes (whole blocks, in table order)."""
+    def read_layer(self, layer: int, block_ids: list[int]) -> tuple[memoryview, memoryview]:
+        """One layer's K and V of ``block_ids``, as raw bytes (whole blocks, in table order; copies,
+        so the blocks may change afterwards)."""
         k, v = self.kv_caches[layer]
         idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
         return _raw(k.index_select(0, idx)), _raw(v.index_select(0, idx))
@@ -121,8 +123,10 @@ class KVHandoff:
         idx = torch.tensor(block_ids, dtype=torch.long, device=k.device)
         shape = (len(block_ids), *k.shape[1:])
         for cache, raw in ((k, k_raw), (v, v_raw)):
-            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(cache.dtype)
-            cache.index_copy_(0, idx, data.view(shape).to(cache.device))
+            with warnings.catch_warnings():  # read-only bytes: index_copy_ only reads them
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(raw, dtype=torch.uint8)
+            cache.index_copy_(0, idx, data.view(cache.dtype).view(shape).to(cache.device))
 
     # --- export (engine thread) -----------------------------------------------------------------
     def hold(self, request_id: str) -> None:
@@ -286,6 +290,7 @@ class KVHandoff:
         return reqs
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    """A tensor's bytes (bfloat16 too, which numpy lacks), moved to the host."""
-    return t.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+def _raw(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes (bfloat16 too, which numpy lacks), moved to the host, without a copy on the
+    host (the memoryview keeps the tensor's storage alive)."""
+    return memoryview(t.contiguous().view(torch.uint8).cpu().numpy()).cast("B")

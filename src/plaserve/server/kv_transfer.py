@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 MAX_LINE = 64 * 1024  # a request or header line; anything longer is not this protocol
+# The puller's read buffer: whole layers arrive in few, large reads instead of 64 KiB pause/resume
+# cycles of the transport.
+PULL_BUFFER = 8 * 2**20
 
 
 class KVTransferMetrics:
@@ -178,10 +181,12 @@ class KVTransferService:
         writer.write(json.dumps({"ok": True, "num_blocks": len(blocks)}).encode() + b"\n")
         sent = 0
         for layer in range(layout.num_layers):
-            k, v = handoff.read_layer(layer, blocks) if blocks else (b"", b"")
+            k, v = (
+                handoff.read_layer(layer, blocks) if blocks else (memoryview(b""), memoryview(b""))
+            )
             writer.write(k)
             writer.write(v)
-            sent += len(k) + len(v)
+            sent += k.nbytes + v.nbytes
             await writer.drain()
         ack = await asyncio.wait_for(reader.readline(), self.ack_timeout)
         if ack.strip() != b"ok":
@@ -211,7 +216,7 @@ async def pull(
     metrics.prefix_hits.inc(len(res.cached))
     try:
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=MAX_LINE), timeout
+            asyncio.open_connection(host, port, limit=PULL_BUFFER), timeout
         )
     except (OSError, asyncio.TimeoutError) as e:
         metrics.failures.labels("received").inc()
@@ -222,7 +227,10 @@ async def pull(
         ask = {"request_id": request_id, "start_block": len(res.cached), "layout": layout.as_dict()}
         writer.write(json.dumps(ask).encode() + b"\n")
         await writer.drain()
-        head = json.loads(await asyncio.wait_for(reader.readline(), timeout) or b"null")
+        line = await asyncio.wait_for(reader.readline(), timeout)
+        if len(line) > MAX_LINE:
+            raise KVTransferError("the prefill worker's answer is not this protocol")
+        head = json.loads(line or b"null")
         if not isinstance(head, dict) or not head.get("ok"):
             error = head.get("error") if isinstance(head, dict) else "the connection closed"
             raise KVTransferError(f"the prefill worker refused the pull: {error}")
