@@ -81,3 +81,25 @@ def test_cluster_splits_threads_and_gpus_and_passes_worker_flags():
         "8",
     ]
     assert router_config_from_args(args).policy == "round_robin"
+
+
+def test_pd_flags_must_come_in_pairs():
+    from plaserve.router.cli import run_route
+    from plaserve.router.cluster import run_cluster
+
+    for argv in (
+        ["--prefill", "1"],
+        ["--decode", "1"],
+        ["--workers", "2", "--prefill", "1", "--decode", "1"],
+    ):
+        assert run_cluster(parse(add_cluster_arguments, argv)) == 2
+    assert run_route(parse(add_route_arguments, ["--prefill-urls", "http://127.0.0.1:1"])) == 2
+    both = [
+        "--worker-urls",
+        "http://127.0.0.1:1",
+        "--prefill-urls",
+        "http://127.0.0.1:2",
+        "--decode-urls",
+        "http://127.0.0.1:3",
+    ]
+    assert run_route(parse(add_route_arguments, both)) == 2
