@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from plaserve.bench.policies import main  # noqa: E402
+from policy_study.policies import main  # noqa: E402
 
 if __name__ == "__main__":
     t0 = time.time()

@@ -46,18 +46,18 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from plaserve.bench.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
-from plaserve.bench.policies import Slice  # noqa: E402
-from plaserve.bench.policy_slices import (  # noqa: E402
+from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
+from plaserve.cost import CostModel  # noqa: E402
+from plaserve.profile import Profile  # noqa: E402
+from policy_study.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
+from policy_study.policies import Slice  # noqa: E402
+from policy_study.slices import (  # noqa: E402
     fcfs_load,
     pooled_lines,
     run_slice,
     slices_table,
     sweep_table,
 )
-from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
-from plaserve.cost import CostModel  # noqa: E402
-from plaserve.profile import Profile  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRACES = {"code": ("azure_code_2023.csv", 0.68), "conv": ("azure_conv_2023.csv", 0.31)}

@@ -44,7 +44,6 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from plaserve.bench.policies import find_trace  # noqa: E402
 from plaserve.cost import analytic_cost  # noqa: E402
 from plaserve.launcher import (
     RouterProcess,  # noqa: E402
@@ -54,6 +53,7 @@ from plaserve.testing.fake_gpu import FakeGpuConfig, spawn  # noqa: E402
 from plaserve.workload.report import summarize  # noqa: E402
 from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
+from policy_study.policies import find_trace  # noqa: E402
 
 POLICIES = ("round_robin", "least_requests", "least_tokens", "power_of_two", "pla")
 # pla without holding long requests in the router: what the hold horizon contributes.

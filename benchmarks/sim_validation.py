@@ -21,7 +21,7 @@ Setup, fixed before looking at results:
   arrivals compressed so the predicted prefill work fills ``--load`` (default 60 %) of each instance's
   time over --seconds (the warm-up always at 60 %);
 * **one instance**: ``pla`` and ``fcfs`` replayed in-process on the wall clock
-  (:func:`plaserve.bench.offline.run_policy`), against ``plaserve simulate``'s loop with one instance
+  (:func:`policy_study.offline.run_policy`), against ``plaserve simulate``'s loop with one instance
   (router round_robin, which never holds a request, so it is a pass-through);
 * **two workers**: ``plaserve cluster --workers 2`` (workers run pla, ``--no-online-refit``: their
   cost model stays the profile's, as the simulator's does) behind the router with policy ``pla`` and
@@ -61,7 +61,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from plaserve.bench.offline import SloRule, fit_cost_model, run_policy, to_record  # noqa: E402
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
 from plaserve.cost import CostModel, OnlineCostModel  # noqa: E402
 from plaserve.engine.engine import LLMEngine, batch_work  # noqa: E402
@@ -72,6 +71,7 @@ from plaserve.router.config import RouterConfig  # noqa: E402
 from plaserve.sim.cluster import ClusterConfig, simulate  # noqa: E402
 from plaserve.sim.profiles import calibrated_profile  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
+from policy_study.offline import SloRule, fit_cost_model, run_policy, to_record  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PLASERVE = [sys.executable, "-m", "plaserve.cli"]

@@ -11,6 +11,8 @@ from types import ModuleType
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# The policy study (benchmarks/policy_study) is imported by its tests as the scripts import it.
+sys.path.insert(0, str(BENCHMARKS))
 
 
 def _load(name: str) -> ModuleType:

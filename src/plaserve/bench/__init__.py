@@ -1,2 +1,3 @@
-"""Load generation and reporting: traces (:mod:`.trace`), the async client (:mod:`.client`), TTFT SLOs
-(:mod:`.slo`), and summaries, tables and plots (:mod:`.report`). ``plaserve bench`` is :mod:`.cli`."""
+"""``plaserve bench``: the async load generator (:mod:`.client`) and its command (:mod:`.cli`); traces,
+request records, reports and SLOs are in :mod:`plaserve.workload`. The policy study is an experiment and
+lives in the checkout's ``benchmarks/policy_study``."""

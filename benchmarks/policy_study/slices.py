@@ -4,7 +4,7 @@
 one slice is one draw (a burst more or less moves its percentiles). This module replays many slices,
 scaled the same way, through the real schedulers on a :class:`~plaserve.sim.runner.CostRunner`, whose
 steps take what the cost model predicts: seconds for all of them. It reports, for each slice, the
-issue's checks (:func:`~plaserve.bench.policies.target_checks`), and over all slices how many meet each
+issue's checks (:func:`~policy_study.policies.target_checks`), and over all slices how many meet each
 target, the median of each measured change, and the SLO violations summed.
 
 The simulated clock is exact for the cost model and blind to what it leaves out (the real machine's
@@ -18,9 +18,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from plaserve.bench.bounds import ONLINE_ORDERS, jobs_for, online_late, slice_bounds
-from plaserve.bench.offline import SloRule, to_record, with_policy
-from plaserve.bench.policies import POLICIES, Check, Slice, scaled_slice, target_checks
 from plaserve.config import EngineConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
@@ -28,6 +25,9 @@ from plaserve.sim.replay import replay
 from plaserve.sim.runner import CostRunner, SimClock
 from plaserve.workload.report import RequestRecord, summarize
 from plaserve.workload.trace import TraceRequest
+from policy_study.bounds import ONLINE_ORDERS, jobs_for, online_late, slice_bounds
+from policy_study.offline import SloRule, to_record, with_policy
+from policy_study.policies import POLICIES, Check, Slice, scaled_slice, target_checks
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def ideal_online(
     prompts: Sequence[tuple[float, int]], cost: CostModel, slo_of, short_threshold: int
 ) -> dict[str, int]:
     """SLO violations of idealised online schedules of ``(arrival, prompt_tokens)`` in the bounds'
-    relaxation (:func:`~plaserve.bench.bounds.online_late`: preemptive, no decode work, no per-step
+    relaxation (:func:`~policy_study.bounds.online_late`: preemptive, no decode work, no per-step
     cost, knowing only what has arrived): each order of ``ONLINE_ORDERS``, and shorts first with the
     given-up ones last. Beside the bound, which knows the future, they show how much of the gap
     between a real scheduler and the bound is foresight."""

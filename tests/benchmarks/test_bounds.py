@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from plaserve import EngineConfig, LLMEngine
-from plaserve.bench import bounds
-from plaserve.bench.bounds import (
+from plaserve.cost import CostModel
+from plaserve.sim.replay import replay
+from plaserve.sim.runner import CostRunner, SimClock
+from policy_study import bounds
+from policy_study.bounds import (
     ONLINE_ORDERS,
     Job,
     fewest_late,
@@ -21,10 +24,7 @@ from plaserve.bench.bounds import (
     min_ttft_percentile,
     online_late,
 )
-from plaserve.bench.policies import ratio_lines
-from plaserve.cost import CostModel
-from plaserve.sim.replay import replay
-from plaserve.sim.runner import CostRunner, SimClock
+from policy_study.policies import ratio_lines
 
 COST = CostModel(g1=1e-4, g2=2e-8, c0=2e-3)
 

@@ -1,12 +1,14 @@
-"""The many-slice policy comparison on the simulated clock (bench/policy_slices.py)."""
+"""The many-slice policy comparison on the simulated clock (benchmarks/policy_study/slices.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from plaserve.bench.offline import SloRule
-from plaserve.bench.policies import Slice
-from plaserve.bench.policy_slices import (
+from plaserve.config import EngineConfig, SchedulerConfig
+from plaserve.cost import CostModel
+from policy_study.offline import SloRule
+from policy_study.policies import Slice
+from policy_study.slices import (
     fcfs_load,
     pooled_lines,
     run_slice,
@@ -14,8 +16,6 @@ from plaserve.bench.policy_slices import (
     sweep_table,
     ttft_change,
 )
-from plaserve.config import EngineConfig, SchedulerConfig
-from plaserve.cost import CostModel
 
 COST = CostModel(g1=3.8e-4, g2=1.4e-7, g3=2e-6, c0=5e-3)
 SLO = SloRule(factor=5.0, floor=0.5)

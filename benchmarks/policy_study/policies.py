@@ -12,15 +12,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-from plaserve.bench.bounds import slice_bounds
-from plaserve.bench.offline import (
-    PolicyRun,
-    SloRule,
-    fit_cost_model,
-    run_policy,
-    to_record,
-    with_policy,
-)
 from plaserve.config import EngineConfig, SchedulerConfig
 from plaserve.cost import CostModel
 from plaserve.engine.engine import LLMEngine
@@ -28,6 +19,15 @@ from plaserve.model.loader import load_model, resolve_device, resolve_dtype
 from plaserve.plotting import pyplot
 from plaserve.workload.report import RequestRecord, format_table, summarize
 from plaserve.workload.trace import TraceRequest, load_trace
+from policy_study.bounds import slice_bounds
+from policy_study.offline import (
+    PolicyRun,
+    SloRule,
+    fit_cost_model,
+    run_policy,
+    to_record,
+    with_policy,
+)
 
 TRACE_DIR_CANDIDATES = ("../shared/traces", "../../shared/traces", "/work/shared/traces")
 POLICIES = ("fcfs", "spf", "pla")
@@ -36,7 +36,10 @@ POLICIES = ("fcfs", "spf", "pla")
 def find_trace(name: str) -> str:
     """Path of a shared trace file, looked up relative to the checkout and the working directory."""
     here = os.path.dirname(os.path.abspath(__file__))
-    roots = [os.getcwd(), os.path.join(here, "..", "..", "..")]
+    roots = [
+        os.getcwd(),
+        os.path.join(here, "..", ".."),
+    ]  # the checkout: benchmarks/policy_study/..
     for root in roots:
         for cand in TRACE_DIR_CANDIDATES:
             path = os.path.normpath(os.path.join(root, cand, name))
@@ -235,7 +238,7 @@ def bounds_line(bounds: dict) -> str:
     """One sentence with the slice's bounds (:func:`slice_bounds`)."""
     parts = [f"SLO violations >= {bounds['slo_violation_rate'] * 100:.1f}%"]
     parts += [f"short TTFT {q} >= {ms:.0f} ms" for q, ms in bounds["short_ttft_ms"].items()]
-    return f"No scheduler can do better on this slice under the fitted cost model (bench/bounds.py): {', '.join(parts)}."
+    return f"No scheduler can do better on this slice under the fitted cost model (benchmarks/policy_study/bounds.py): {', '.join(parts)}."
 
 
 def starvation_run(loaded, config: EngineConfig, cost: CostModel, seconds: float) -> str:
