@@ -49,11 +49,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from policy_study.policies import find_trace  # noqa: E402
 from plaserve.launcher import RouterProcess, ServerProcess  # noqa: E402
 from plaserve.router.costs import cost_model_from_dict  # noqa: E402
 from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
+from policy_study.policies import find_trace  # noqa: E402
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
