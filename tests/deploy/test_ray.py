@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +94,8 @@ def test_completions_and_chat_through_the_ingress(client: openai.OpenAI) -> None
     assert chat.usage.completion_tokens == 5 and chat.choices[0].message.role == "assistant"
     with pytest.raises(openai.BadRequestError, match="max_tokens"):  # the worker's 400, passed on
         client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=0)
+    bad = httpx.post(f"{client.base_url}completions", content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
 
 
 def test_streaming_completion_and_chat(client: openai.OpenAI) -> None:
@@ -225,3 +230,26 @@ def test_a_replica_killed_under_load_loses_no_request(app_url: str) -> None:
             return await asyncio.gather(*(_outcome(s, app_url, stream=True) for _ in range(2)))
 
     assert asyncio.run(asyncio.wait_for(after(), 60)) == ["ok", "ok"]
+
+
+def test_the_serve_config_file_builds_the_application() -> None:
+    """deploy/ray/serve_config.yaml is a config `serve run` accepts, and its args build the app."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from plaserve.deploy.app import app_builder
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "ray" / "serve_config.yaml"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (application,) = config.applications
+    assert application.import_path == "plaserve.deploy.app:app_builder"
+    assert isinstance(app_builder(application.args), serve.Application)
+    with pytest.raises(ValueError, match="unknown option.*replica_count"):
+        app_builder({"replica_count": 2})
+
+
+def test_the_command_line_refuses_bad_options_before_starting_ray() -> None:
+    cmd = [sys.executable, "-m", "plaserve.cli", "ray-serve", "--replicas", "0"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2 and "replicas must be at least 1" in out.stderr, out.stderr

@@ -198,9 +198,10 @@ class PlaRequestRouter(RequestRouter):
         if entry is not None and not entry.sent:
             del self._jobs[rid]
             w = self.workers.get(entry.replica)
-            if w is not None:
-                w.inflight.pop(rid, None)
+            reserved = w.inflight.pop(rid, None) if w is not None else None
+            if reserved is not None:  # as if Worker.start had not run
                 w.requests_total -= 1
+                w.work_total -= reserved.cost
 
     def _forget_abandoned(self, now: float) -> None:
         # A request chosen for but never sent (its client went away while Ray probed): Ray tells the
