@@ -107,29 +107,38 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--trace", required=True)
     p.add_argument("--start", type=int, default=0)
-    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--max-prompt-tokens", type=int, default=1500)
     p.add_argument("--max-output-tokens", type=int, default=16)
-    p.add_argument("--time-scale", type=float, default=10.0)
+    p.add_argument("--time-scale", type=float, default=2.0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="runs of each setup, in the order route, ray, ray, route...",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     load_before = os.getloadavg()[0]
-    results = {}
+    results: list[dict] = []
+    setups = {"route": run_route, "ray": run_ray}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, fn in (("route", run_route), ("ray", run_ray)):
-            t = time.time()
-            results[name] = fn(args, os.path.join(tmp, name))
-            results[name]["wall_s"] = time.time() - t
+        for i in range(args.rounds):
+            # ABBA: the machine's load drifts; each setup sees the early and the late part alike.
+            for name in ("route", "ray") if i % 2 == 0 else ("ray", "route"):
+                t = time.time()
+                r = setups[name](args, os.path.join(tmp, f"{name}{i}"))
+                results.append({"setup": name, "round": i, **r, "wall_s": time.time() - t})
     load_after = os.getloadavg()[0]
     print(f"load average (1 min): {load_before:.2f} before, {load_after:.2f} after")
     print(
         f"{'setup':<6} {'req/s':>6} {'err':>4} {'TTFT p50 short':>15} {'p90':>6} "
         f"{'TTFT p50 long':>14} {'p90':>6}  (ms)"
     )
-    for name, r in results.items():
+    for r in results:
         s = r["summary"]
         print(
-            f"{name:<6} {r['requests_per_s']:>6.2f} {s['all']['errors']:>4} "
+            f"{r['setup']:<6} {r['requests_per_s']:>6.2f} {s['all']['errors']:>4} "
             f"{s['short']['ttft_ms']['p50'] or 0:>15.0f} {s['short']['ttft_ms']['p90'] or 0:>6.0f} "
             f"{s['long']['ttft_ms']['p50'] or 0:>14.0f} {s['long']['ttft_ms']['p90'] or 0:>6.0f}"
         )

@@ -15,6 +15,7 @@ pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'plas
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
 from ray.serve.request_router import PendingRequest, ReplicaID  # noqa: E402
 
+from plaserve.deploy import notices  # noqa: E402
 from plaserve.deploy.metrics import deploy_metrics  # noqa: E402
 from plaserve.deploy.request_router import PlaRequestRouter  # noqa: E402
 
@@ -138,5 +139,24 @@ def test_a_long_request_is_held_while_the_short_pool_would_be_lost_then_sent() -
         ranks = await r.choose_replicas(reps, late)
         assert len(ranks) == 2
         assert metric("plaserve_ray_hold_expired_total") == expired_before + 1
+
+    asyncio.run(main())
+
+
+def test_the_ingress_first_token_notice_takes_the_prefill_off_the_backlog() -> None:
+    async def main() -> None:
+        r, reps = router(), [replica("a"), replica("b")]
+        req = pending(LONG, "long")
+        req.kwargs["job_id"] = "job-1"
+        ranks = await r.choose_replicas(reps, req)
+        r.on_request_routed(req, ranks[0][0].replica_id, None)
+        w = r.workers[ranks[0][0].replica_id]
+        assert r.policy.backlog(w, time.monotonic()) == pytest.approx(0.33, abs=0.01)
+        notices.first_token("job-1")  # what the ingress sends, from its own thread or loop
+        await asyncio.sleep(0)  # the router handles it on its loop
+        assert r.policy.backlog(w, time.monotonic()) == 0
+        assert w.num_inflight == 1  # still decoding: it leaves at completion
+        r.on_request_completed(ranks[0][0].replica_id, req.metadata.internal_request_id)
+        assert w.num_inflight == 0 and "job-1" not in r._by_job
 
     asyncio.run(main())

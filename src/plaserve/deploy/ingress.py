@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -33,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from plaserve import json_body
+from plaserve.deploy import notices
 from plaserve.deploy.metrics import deploy_metrics
 from plaserve.deploy.replica import ReplicaError
 from plaserve.model.tokenizer import load_tokenizer
@@ -95,7 +97,7 @@ class OpenAIIngress:
             else self.estimator.completion(body)
         )
         cls = SHORT if sum(est.tokens) < self.short_threshold else LONG
-        job = {"tokens": list(est.tokens), "length_class": cls}
+        job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}
         headers = request_headers(dict(request.headers))
         arrival = time.monotonic()
         attempt_once = self._try_stream if body.get("stream") else self._try_whole
@@ -148,6 +150,7 @@ class OpenAIIngress:
             gen.cancel()
             raise ReplicaError(scanner.error)
         self.metrics.ttft.labels(job["length_class"]).observe(time.monotonic() - arrival)
+        notices.first_token(job["job_id"])
         return StreamingResponse(
             self._rest(gen, bytes(scanner.buffer), path, job, arrival),
             media_type="text/event-stream",
@@ -158,13 +161,16 @@ class OpenAIIngress:
     ) -> AsyncIterator[bytes]:
         """The stream from its first token on; a replica lost now ends it with an error event."""
         yield head
-        outcome = "200"
+        outcome, last = "200", head
         try:
             async for chunk in gen:
+                last = chunk
                 yield chunk
-        except asyncio.CancelledError:  # the client went away
+        except asyncio.CancelledError:
             gen.cancel()
-            outcome = "client_gone"
+            # A client that read [DONE] may close before the replica's stream has ended: served.
+            if not last.rstrip().endswith(b"[DONE]"):
+                outcome = "client_gone"
             raise
         except Exception as e:  # noqa: BLE001 - the stream is under way: end it cleanly
             log.warning("stream broke after its first token: %r", e)

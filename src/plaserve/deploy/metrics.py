@@ -46,6 +46,17 @@ class RouterMetrics:
             ["replica"],
             registry=r,
         )
+        self.report_age = Gauge(
+            "plaserve_ray_report_age_seconds",
+            "Age of each replica's latest load report when the router last decided",
+            ["replica"],
+            registry=r,
+        )
+        self.completed = Counter(
+            "plaserve_ray_completed_requests",
+            "Requests Ray reported complete to the router (their cost leaves the backlog)",
+            registry=r,
+        )
         self.short_pool = Gauge(
             "plaserve_ray_short_pool_size",
             "Replicas kept clear of long work (the short pool)",

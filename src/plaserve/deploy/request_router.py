@@ -16,9 +16,10 @@ room (``max_ongoing_requests``), else the next.
 * the replicas' reports: each replica's ``record_routing_stats`` (its server's ``/load``) reaches
   the router with the replica's info every ``request_routing_stats_period_s``; the report, dated
   by its ``as_of`` wall-clock time, drains at one second per second;
-* the router's own accounting: a request's cost is added when Ray routes it
-  (``on_request_routed``) and removed when it completes (``on_request_completed``); requests routed
-  after a report's ``as_of`` are added to it.
+* the router's own accounting: a request's cost is added when the router chooses its replica
+  (moved if Ray sends it to another) and removed at its first token (the ingress's notice) or when
+  it completes (``on_request_completed``); requests routed after a report's ``as_of`` are added to
+  it.
 
 **Holding long requests.** When ``PlaPolicy`` would hold a long request (every replica has more
 than the hold horizon queued, or taking it would leave the short pool without a clear replica) the
@@ -27,8 +28,10 @@ router returns no replica and Ray retries after its back-off (25 ms, doubling), 
 the router for ever.
 
 **What the ingress passes.** The handle call's keyword arguments ``tokens`` (prompt lengths) and
-``length_class`` price the request (:mod:`plaserve.deploy.ingress` estimates them before sending).
-A call without them is priced as one token.
+``length_class`` price the request (:mod:`plaserve.deploy.ingress` estimates them before sending);
+``job_id`` names it in the ingress's first-token notice (:mod:`plaserve.deploy.notices`), on which
+its prefill leaves the backlog, as at a first token in ``plaserve route`` (Ray itself reports only
+completion). A call without them is priced as one token and leaves the backlog at completion.
 
 The decisions are counted in the process's registry (:func:`plaserve.deploy.metrics.deploy_metrics`),
 which the ingress serves on its ``/metrics``. Ray pickles this module *by value* into the process
@@ -38,12 +41,14 @@ the registry lives in :mod:`plaserve.deploy.metrics`, imported there by referenc
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from plaserve.deploy import notices
 from plaserve.deploy.metrics import deploy_metrics
 from plaserve.router.config import RouterConfig
 from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD, cost_model_from_dict, default_cost_model
@@ -98,8 +103,28 @@ class PlaRequestRouter(RequestRouter):
         self.fixed_threshold = short_threshold
         self.workers: dict[ReplicaID, Worker] = {}
         self._jobs: dict[str, _Routed] = {}  # by Ray's internal request id
+        self._by_job: dict[str, str] = {}  # the ingress's job id -> Ray's internal request id
         self._fallback_cost = default_cost_model()
         self.metrics = deploy_metrics().router
+        self._loop: asyncio.AbstractEventLoop | None = None  # Ray's router loop, once seen
+        notices.listen(self._notice)
+
+    def _notice(self, job_id: str) -> None:
+        # From the ingress's thread: handled on the router's loop, where its state is only touched.
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.first_token, job_id)
+
+    def first_token(self, job_id: str) -> None:
+        """A request routed here got its first token: its prefill leaves the backlog, and its TTFT
+        feeds the pool controller (as ``plaserve route`` does)."""
+        rid = self._by_job.get(job_id)
+        entry = self._jobs.get(rid) if rid is not None else None
+        w = self.workers.get(entry.replica) if entry is not None else None
+        if w is None or rid not in w.inflight or w.inflight[rid].prefill_done:
+            return
+        w.first_token(rid)
+        now = time.monotonic()
+        self.policy.on_first_token(entry.job, w, w.inflight[rid].cost, now)
 
     # --- the replicas as plaserve Workers --------------------------------------------------------
     def _worker(self, replica: RunningReplica, now: float) -> Worker:
@@ -122,10 +147,11 @@ class PlaRequestRouter(RequestRouter):
         live = {r.replica_id for r in replicas}
         for rid in [r for r in self.workers if r not in live]:
             del self.workers[rid]
-            try:
-                self.metrics.backlog.remove(rid.unique_id)
-            except KeyError:  # never routed to
-                pass
+            for gauge in (self.metrics.backlog, self.metrics.report_age):
+                try:
+                    gauge.remove(rid.unique_id)
+                except KeyError:  # never routed to
+                    pass
         self.metrics.replicas.set(len(live))
 
     def _threshold(self, replicas: list[RunningReplica]) -> int:
@@ -156,6 +182,7 @@ class PlaRequestRouter(RequestRouter):
         """The replicas ranked by predicted finish, one a rank; none while a long request is held."""
         start = time.perf_counter()
         now = time.monotonic()
+        self._loop = self._loop or asyncio.get_running_loop()
         if pending_request is not None:
             # Ray retries a round that placed nothing (all full, or held) at once unless told to
             # back off; the back-off is what spaces out the rounds of a held request.
@@ -189,6 +216,8 @@ class PlaRequestRouter(RequestRouter):
             self._jobs[rid] = _Routed(replica.replica_id, replica.replica_id, job, now)
         for w in workers:
             self.metrics.backlog.labels(w.url).set(self.policy.backlog(w, now))
+            if w.load is not None:
+                self.metrics.report_age.labels(w.url).set(now - w.load.received)
         self.metrics.short_pool.set(self.policy.pools.reserved(now))
         self.metrics.decision.observe(time.perf_counter() - start)
         return [[by_worker[id(w)]] for w in (chosen, *rest)]
@@ -233,6 +262,9 @@ class PlaRequestRouter(RequestRouter):
             entry = _Routed(replica_id, entry.first if entry else replica_id, job, now)
             self._jobs[rid] = entry
         entry.sent = True
+        job_id = pending_request.kwargs.get("job_id")
+        if isinstance(job_id, str):
+            entry.job_id, self._by_job[job_id] = job_id, rid
         w = self.workers[replica_id]
         self.policy.on_dispatch(job, w, w.cost(job.tokens), now)
         self.metrics.routed.labels(replica_id.unique_id, job.length_class).inc()
@@ -240,7 +272,10 @@ class PlaRequestRouter(RequestRouter):
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request finished (or failed): its cost leaves the backlog."""
-        self._jobs.pop(internal_request_id, None)
+        entry = self._jobs.pop(internal_request_id, None)
+        if entry is not None and entry.job_id is not None:
+            self._by_job.pop(entry.job_id, None)
+        self.metrics.completed.inc()
         w = self.workers.get(replica_id)
         if w is not None:
             w.finish(internal_request_id, ok=True, now=time.monotonic())
@@ -255,3 +290,4 @@ class _Routed:
     job: Job
     chosen_at: float
     sent: bool = False
+    job_id: str | None = None  # the ingress's, for its first-token notice
