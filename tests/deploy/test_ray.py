@@ -62,7 +62,9 @@ def app_url(tmp_path_factory: pytest.TempPathFactory):
         serve.run(build_app(options), name="plaserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
+        # ray.shutdown() ends every process of the local instance at once; serve.shutdown() first
+        # would stop the replicas gracefully, 6 s more. Each replica's plaserve server dies with its
+        # replica (die_with_parent), as the kill test checks.
         ray.shutdown()
 
 
