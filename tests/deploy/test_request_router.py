@@ -160,3 +160,30 @@ def test_the_ingress_first_token_notice_takes_the_prefill_off_the_backlog() -> N
         assert w.num_inflight == 0 and "job-1" not in r._by_job
 
     asyncio.run(main())
+
+
+def test_the_autoscaling_policy_follows_the_backlog_with_hysteresis_down() -> None:
+    from plaserve.deploy.app import BacklogAutoscalingPolicy
+
+    policy = BacklogAutoscalingPolicy(target_backlog_s=2.0)
+
+    def decide(backlogs: list[float], current: int, lo: int = 1, hi: int = 8) -> int:
+        ctx = SimpleNamespace(
+            aggregated_metrics={"backlog_s": {f"r{i}": b for i, b in enumerate(backlogs)}},
+            current_num_replicas=current,
+            target_num_replicas=current,
+            policy_state={},
+            capacity_adjusted_min_replicas=lo,
+            capacity_adjusted_max_replicas=hi,
+        )
+        return policy(ctx)[0]
+
+    assert decide([5.0, 4.0], current=2) == 5  # 9 s of prefill queued: ceil(9 / 2)
+    assert decide([30.0, 30.0], current=2) == 8  # at most max_replicas
+    assert decide([1.8, 1.8], current=3) == 3  # 3.6 s would fit 2 replicas, with no quarter spare
+    assert decide([1.0, 1.0], current=3) == 1  # 2 s fits one replica fewer with room: down to 1
+    assert decide([0.0, 0.0], current=2, lo=2) == 2  # never below min_replicas
+    empty = SimpleNamespace(
+        aggregated_metrics={}, current_num_replicas=3, target_num_replicas=3, policy_state={}
+    )
+    assert policy(empty)[0] == 3  # no reports yet: keep the target
