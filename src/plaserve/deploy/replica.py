@@ -6,8 +6,9 @@
 second way into the engine to keep in step. The engine runs in a process of its own, with its own
 threads (the Ray worker process keeps the one Ray gives it), and a crash of the engine is the end
 of one process that the replica's health check sees, after which Ray replaces the replica. The cost
-is one loopback HTTP hop per request (well under a millisecond of the request's time on CPU,
-docs/DEPLOY.md has the measured overhead of the whole Ray path) and a child to stop: the child is
+is one more loopback HTTP hop per request (an aiohttp proxy hop, ``plaserve route``'s, measured 0.7-0.9
+ms at p50 on the development machine, docs/ROUTER.md; docs/DEPLOY.md compares the whole Ray path
+with ``plaserve route``) and a child to stop: the child is
 SIGKILLed by the kernel when the replica's process dies (:func:`plaserve.launcher.die_with_parent`),
 so a replica killed with SIGKILL leaves no server behind.
 
