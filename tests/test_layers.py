@@ -27,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"calibrate", "launcher"},
     {"server", "router"},  # peers: neither imports the other
+    {"deploy"},  # Ray Serve: replicas of the server, the router's policy inside Ray
     {"sim", "testing"},
     {"bench"},
     {"demo", "cli"},

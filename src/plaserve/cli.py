@@ -66,6 +66,13 @@ COMMANDS = [
         "start N workers and a router in front of them",
     ),
     Command(
+        "ray-serve",
+        "plaserve.deploy.cli",
+        "add_ray_serve_arguments",
+        "run_ray_serve",
+        "run N workers as a Ray Serve application, routed by pla (pip install 'plaserve[ray]')",
+    ),
+    Command(
         "calibrate",
         "plaserve.calibrate",
         "add_calibrate_arguments",

@@ -21,6 +21,21 @@ import httpx
 
 import plaserve
 
+PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent dies
+
+
+def die_with_parent() -> None:
+    """In a forked child before exec: ask Linux to SIGKILL this process when its parent dies.
+
+    A parent that is itself SIGKILLed (a Ray replica killed by its controller, a pod's container
+    killed) cannot stop its children; without this the child server would keep its port and memory
+    forever. Elsewhere than Linux nothing is done.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
@@ -50,8 +65,11 @@ class PlaserveProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         startup_timeout: float = 120.0,
+        kill_with_parent: bool = False,
     ) -> None:
         self.args = list(args)
+        # The child is SIGKILLed when the thread that started it dies (see die_with_parent).
+        self.kill_with_parent = kill_with_parent
         self.host = host
         self.port = port or free_port()
         self.env = env
@@ -100,6 +118,7 @@ class PlaserveProcess:
             stderr=subprocess.STDOUT,
             env=self.child_env(),
             start_new_session=True,
+            preexec_fn=die_with_parent if self.kill_with_parent else None,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

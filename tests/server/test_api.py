@@ -660,7 +660,10 @@ def test_disconnect_while_waiting_for_a_whole_response_aborts(server) -> None:
 VLLM_FAMILIES = (
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
+    "vllm:num_requests_swapped",
     "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:cpu_cache_usage_perc",
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
     "vllm:time_per_output_token_seconds",
@@ -668,10 +671,13 @@ VLLM_FAMILIES = (
     "vllm:request_queue_time_seconds",
     "vllm:request_prefill_time_seconds",
     "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
     "vllm:prompt_tokens",
     "vllm:generation_tokens",
     "vllm:request_prompt_tokens",
     "vllm:request_generation_tokens",
+    "vllm:request_max_num_generation_tokens",
+    "vllm:request_params_max_tokens",
     "vllm:request_success",
     "vllm:prefix_cache_queries",
     "vllm:prefix_cache_hits",
@@ -712,6 +718,12 @@ def test_vllm_metric_names_with_the_model_name(client: openai.OpenAI, server) ->
     assert (
         total(after, "vllm:e2e_request_latency_seconds", "vllm:e2e_request_latency_seconds_count")
         >= 1
+    )
+    for name in ("vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens"):
+        assert total(after, name, name + "_sum") - total(before, name, name + "_sum") == 5, name
+    assert (
+        after["vllm:gpu_cache_usage_perc"].samples[0].value
+        == after["vllm:kv_cache_usage_perc"].samples[0].value
     )
     queries = total(after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total")
     assert (

@@ -444,6 +444,7 @@ class EngineLoop:
                 len(out.prompt_token_ids),
                 n,
                 times=m,
+                max_tokens=tracked.request.params.max_tokens,
             )
         tracked.sink.put(out)
 

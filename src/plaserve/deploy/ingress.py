@@ -1,0 +1,186 @@
+"""The OpenAI-compatible HTTP entry of the Ray Serve application.
+
+Ray's HTTP proxy hands every request to :meth:`OpenAIIngress.__call__` (a Starlette request). The
+ingress reads the body (within :mod:`plaserve.json_body`'s limits), estimates the prompt's length
+as ``plaserve route`` does (:class:`~plaserve.router.length.LengthEstimator`: token ids, else the
+model's tokenizer, else characters / 4), classifies it short or long, and calls the worker
+deployment through its handle with ``tokens`` and ``length_class``, which the request router
+(:mod:`plaserve.deploy.request_router`) prices.
+
+**Failures.** A replica that dies (killed, its server crashed) or cannot be reached before the
+answer's first token is retried on the replica Ray routes to next, up to ``max_attempts`` in all:
+a streamed answer is held back until its first token (:class:`~plaserve.router.forward.FirstTokenScanner`),
+so nothing has reached the client yet. A stream that breaks after its first token ends with an error
+event and ``[DONE]`` (the client sees a clean error, never a hang). With no replica left to try:
+503.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` passed through
+chunk by chunk), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
+request router's counters: routing decisions by replica and class, held requests, the short pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from plaserve import json_body
+from plaserve.deploy import notices
+from plaserve.deploy.metrics import deploy_metrics
+from plaserve.deploy.replica import ReplicaError
+from plaserve.model.tokenizer import load_tokenizer
+from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD
+from plaserve.router.forward import FirstTokenScanner, error_json, request_headers, sse_error
+from plaserve.router.length import LengthEstimator
+from plaserve.router.pools import LONG, SHORT
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+# The replica is gone or could not take the call: try the next one. ReplicaError comes back from a
+# replica whose server stopped answering; Ray wraps it, so it is matched by name as well.
+_RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaError)
+
+
+def _retryable(e: BaseException) -> bool:
+    return isinstance(e, _RETRYABLE) or "ReplicaError" in type(e).__name__ + str(e)[:200]
+
+
+class OpenAIIngress:
+    """The HTTP entry (module docstring). ``workers`` is the handle of the worker deployment;
+    ``tokenizer`` the served model's directory (None: the embedded model's byte tokenizer)."""
+
+    def __init__(
+        self,
+        workers: DeploymentHandle,
+        tokenizer: str | None = None,
+        short_threshold: int = DEFAULT_SHORT_THRESHOLD,
+        max_attempts: int = 3,
+    ) -> None:
+        self.workers = workers
+        self.estimator = LengthEstimator(load_tokenizer(tokenizer))
+        self.short_threshold = short_threshold
+        self.max_attempts = max_attempts
+        self.metrics = deploy_metrics().ingress
+
+    async def __call__(self, request: Request) -> Response:
+        path, method = request.url.path.rstrip("/") or "/", request.method
+        if method == "GET" and path == "/health":
+            return JSONResponse({"status": "ok"})
+        if method == "GET" and path == "/metrics":
+            return Response(deploy_metrics().render(), media_type=CONTENT_TYPE_LATEST)
+        if method == "GET" and path == "/v1/models":
+            status, body = await self.workers.models.remote()
+            return JSONResponse(body, status_code=status)
+        if path not in ROUTES:
+            return _error(404, f"no route {method} {path}")
+        if method != "POST":
+            return _error(405, f"{path} takes POST, not {method}")
+        try:
+            body = json_body.loads(await request.body())
+        except json_body.JsonBodyError as e:
+            return _error(400, f"the request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        est = await (
+            self.estimator.chat(body)
+            if path.endswith("chat/completions")
+            else self.estimator.completion(body)
+        )
+        cls = SHORT if sum(est.tokens) < self.short_threshold else LONG
+        job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}
+        headers = request_headers(dict(request.headers))
+        arrival = time.monotonic()
+        attempt_once = self._try_stream if body.get("stream") else self._try_whole
+        last: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            if attempt:
+                self.metrics.retries.inc()
+            try:
+                return await attempt_once(path, body, headers, job, arrival)
+            except Exception as e:  # noqa: BLE001 - a lost replica is retried, the rest raised
+                if not _retryable(e):
+                    raise
+                last = e
+        self.metrics.requests.labels(path, "503").inc()
+        return _error(
+            503, f"no replica could serve the request ({self.max_attempts} tried): {last}"
+        )
+
+    async def _try_whole(
+        self, path: str, body: dict, headers: dict, job: dict, arrival: float
+    ) -> Response:
+        status, answer = await self.workers.generate.remote(path, body, headers, **job)
+        self.metrics.requests.labels(path, str(status)).inc()
+        self.metrics.e2e.labels(job["length_class"]).observe(time.monotonic() - arrival)
+        return JSONResponse(answer, status_code=status)
+
+    async def _try_stream(
+        self, path: str, body: dict, headers: dict, job: dict, arrival: float
+    ) -> Response:
+        """The stream once its first token is in; raises (to be retried) if it fails before."""
+        gen = self.workers.options(stream=True).stream.remote(path, body, headers, **job)
+        scanner = FirstTokenScanner()
+        try:
+            status, error = await gen.__anext__()
+            if status != 200:
+                self.metrics.requests.labels(path, str(status)).inc()
+                return JSONResponse(error, status_code=status)
+            async for chunk in gen:
+                scanner.feed(chunk)
+                if scanner.token or scanner.error:
+                    break
+            else:
+                scanner.eof()
+        except StopAsyncIteration:
+            scanner.eof()
+        except BaseException:
+            gen.cancel()
+            raise
+        if scanner.error and not scanner.token:
+            gen.cancel()
+            raise ReplicaError(scanner.error)
+        self.metrics.ttft.labels(job["length_class"]).observe(time.monotonic() - arrival)
+        notices.first_token(job["job_id"])
+        return StreamingResponse(
+            self._rest(gen, bytes(scanner.buffer), path, job, arrival),
+            media_type="text/event-stream",
+        )
+
+    async def _rest(
+        self, gen: Any, head: bytes, path: str, job: dict, arrival: float
+    ) -> AsyncIterator[bytes]:
+        """The stream from its first token on; a replica lost now ends it with an error event."""
+        yield head
+        outcome, last = "200", head
+        try:
+            async for chunk in gen:
+                last = chunk
+                yield chunk
+        except asyncio.CancelledError:
+            gen.cancel()
+            # A client that read [DONE] may close before the replica's stream has ended: served.
+            if not last.rstrip().endswith(b"[DONE]"):
+                outcome = "client_gone"
+            raise
+        except Exception as e:  # noqa: BLE001 - the stream is under way: end it cleanly
+            log.warning("stream broke after its first token: %r", e)
+            self.metrics.stream_errors.inc()
+            outcome = "stream_error"
+            yield sse_error(f"the replica failed mid-stream: {type(e).__name__}")
+        finally:
+            self.metrics.requests.labels(path, outcome).inc()
+            self.metrics.e2e.labels(job["length_class"]).observe(time.monotonic() - arrival)
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_json(status, message), status_code=status, media_type="application/json")

@@ -1,0 +1,189 @@
+"""The pla request router's decisions, on replicas described as Ray describes them (replica ids and
+routing stats), without a Ray instance: Ray's own tests cover how it calls a router; these cover what
+this one answers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'plaserve[ray]'")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
+from ray.serve.request_router import PendingRequest, ReplicaID  # noqa: E402
+
+from plaserve.deploy import notices  # noqa: E402
+from plaserve.deploy.metrics import deploy_metrics  # noqa: E402
+from plaserve.deploy.request_router import PlaRequestRouter  # noqa: E402
+
+DEPLOYMENT = DeploymentID(name="PlaserveWorker", app_name="test")
+COST = {"g1": 2e-4, "g2": 1e-7, "g3": 0.0, "c0": 0.015}  # 1,200 tokens: 0.33 s; 20 tokens: 0.019 s
+LONG, SHORT = [1200], [20]
+
+
+def replica(name: str, backlog: float = 0.0, age: float = 0.0) -> SimpleNamespace:
+    stats = {"backlog_s": backlog, "as_of": time.time() - age, "cost_model": COST}
+    return SimpleNamespace(
+        replica_id=ReplicaID(unique_id=name, deployment_id=DEPLOYMENT),
+        routing_stats={**stats, "short_threshold": 512},
+        max_ongoing_requests=8,
+    )
+
+
+_ids = iter(range(10**6))
+
+
+def pending(tokens: list[int], cls: str, waited: float = 0.0) -> PendingRequest:
+    return PendingRequest(
+        args=[],
+        kwargs={"tokens": tokens, "length_class": cls},
+        metadata=SimpleNamespace(internal_request_id=f"req-{next(_ids)}"),
+        created_at=time.time() - waited,
+    )
+
+
+def router(**kw) -> PlaRequestRouter:
+    r = PlaRequestRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
+    r.initialize_state(**kw)
+    return r
+
+
+def first(ranks: list) -> str:
+    return ranks[0][0].replica_id.unique_id
+
+
+def metric(name: str, **labels: str) -> float:
+    return deploy_metrics().registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_chosen_request_counts_before_ray_has_sent_it() -> None:
+    async def main() -> None:
+        r, reps = router(), [replica("a"), replica("b")]
+        one, two = pending(LONG, "long"), pending(LONG, "long")
+        ranks_one = await r.choose_replicas(reps, one)
+        ranks_two = await r.choose_replicas(reps, two)  # before the first is routed
+        assert {first(ranks_one), first(ranks_two)} == {"a", "b"}
+        assert all(len(rank) == 1 for rank in ranks_one)  # one replica a rank
+        assert one.routing_context.should_backoff  # a held or failed round backs off
+
+    asyncio.run(main())
+
+
+def test_a_request_sent_to_its_second_choice_moves_its_cost_there() -> None:
+    async def main() -> None:
+        r, reps = router(), [replica("a"), replica("b")]
+        req = pending(LONG, "long")
+        ranks = await r.choose_replicas(reps, req)
+        chosen, other = ranks[0][0], ranks[1][0]
+        before = metric(
+            "plaserve_ray_first_choice_total",
+            replica=chosen.replica_id.unique_id,
+            length_class="long",
+        )
+        r.on_request_routed(req, other.replica_id, None)  # the first had no room
+        now = time.monotonic()
+        assert r.policy.backlog(r.workers[chosen.replica_id], now) == 0
+        assert r.policy.backlog(r.workers[other.replica_id], now) == pytest.approx(0.33, abs=0.01)
+        assert (
+            metric(
+                "plaserve_ray_first_choice_total",
+                replica=chosen.replica_id.unique_id,
+                length_class="long",
+            )
+            == before + 1
+        )
+        r.on_request_completed(other.replica_id, req.metadata.internal_request_id)
+        assert r.policy.backlog(r.workers[other.replica_id], time.monotonic()) == 0
+
+    asyncio.run(main())
+
+
+def test_reported_backlog_ranks_a_busy_replica_last_until_the_report_is_stale() -> None:
+    async def main() -> None:
+        r = router(load_stale_s=3.0)
+        busy = await r.choose_replicas(
+            [replica("a", backlog=2.0), replica("b")], pending(SHORT, "short")
+        )
+        assert first(busy) == "b"
+        stale = router(load_stale_s=3.0)
+        ranks = await stale.choose_replicas(
+            [replica("a", backlog=2.0, age=10.0), replica("b", backlog=0.5)],
+            pending(SHORT, "short"),
+        )
+        # A report ten seconds old says nothing of now: a's drained to zero; b's is fresh.
+        assert first(ranks) == "a"
+
+    asyncio.run(main())
+
+
+def test_a_long_request_is_held_while_the_short_pool_would_be_lost_then_sent() -> None:
+    async def main() -> None:
+        r, reps = router(max_hold_s=1.0), [replica("a"), replica("b")]
+        short = pending(SHORT, "short")
+        r.on_request_routed(short, (await r.choose_replicas(reps, short))[0][0].replica_id, None)
+        r.on_request_completed(reps[0].replica_id, short.metadata.internal_request_id)
+        r.on_request_completed(reps[1].replica_id, short.metadata.internal_request_id)
+        r.policy.tick(list(r.workers.values()), time.monotonic())
+        assert r.policy.pools.reserved(time.monotonic()) == 1  # short traffic: one kept clear
+        one = pending(LONG, "long")
+        r.on_request_routed(one, (await r.choose_replicas(reps, one))[0][0].replica_id, None)
+        held_before = metric("plaserve_ray_held_decisions_total")
+        two = pending(LONG, "long")
+        assert await r.choose_replicas(reps, two) == []  # the other replica is the short pool
+        assert metric("plaserve_ray_held_decisions_total") == held_before + 1
+        expired_before = metric("plaserve_ray_hold_expired_total")
+        late = pending(LONG, "long", waited=2.0)  # held past max_hold_s: sent regardless
+        ranks = await r.choose_replicas(reps, late)
+        assert len(ranks) == 2
+        assert metric("plaserve_ray_hold_expired_total") == expired_before + 1
+
+    asyncio.run(main())
+
+
+def test_the_ingress_first_token_notice_takes_the_prefill_off_the_backlog() -> None:
+    async def main() -> None:
+        r, reps = router(), [replica("a"), replica("b")]
+        req = pending(LONG, "long")
+        req.kwargs["job_id"] = "job-1"
+        ranks = await r.choose_replicas(reps, req)
+        r.on_request_routed(req, ranks[0][0].replica_id, None)
+        w = r.workers[ranks[0][0].replica_id]
+        assert r.policy.backlog(w, time.monotonic()) == pytest.approx(0.33, abs=0.01)
+        notices.first_token("job-1")  # what the ingress sends, from its own thread or loop
+        await asyncio.sleep(0)  # the router handles it on its loop
+        assert r.policy.backlog(w, time.monotonic()) == 0
+        assert w.num_inflight == 1  # still decoding: it leaves at completion
+        r.on_request_completed(ranks[0][0].replica_id, req.metadata.internal_request_id)
+        assert w.num_inflight == 0 and "job-1" not in r._by_job
+
+    asyncio.run(main())
+
+
+def test_the_autoscaling_policy_follows_the_backlog_with_hysteresis_down() -> None:
+    from plaserve.deploy.app import BacklogAutoscalingPolicy
+
+    policy = BacklogAutoscalingPolicy(target_backlog_s=2.0)
+
+    def decide(backlogs: list[float], current: int, lo: int = 1, hi: int = 8) -> int:
+        ctx = SimpleNamespace(
+            aggregated_metrics={"backlog_s": {f"r{i}": b for i, b in enumerate(backlogs)}},
+            current_num_replicas=current,
+            target_num_replicas=current,
+            policy_state={},
+            capacity_adjusted_min_replicas=lo,
+            capacity_adjusted_max_replicas=hi,
+        )
+        return policy(ctx)[0]
+
+    assert decide([5.0, 4.0], current=2) == 5  # 9 s of prefill queued: ceil(9 / 2)
+    assert decide([30.0, 30.0], current=2) == 8  # at most max_replicas
+    assert decide([1.8, 1.8], current=3) == 3  # 3.6 s would fit 2 replicas, with no quarter spare
+    assert decide([1.0, 1.0], current=3) == 1  # 2 s fits one replica fewer with room: down to 1
+    assert decide([0.0, 0.0], current=2, lo=2) == 2  # never below min_replicas
+    empty = SimpleNamespace(
+        aggregated_metrics={}, current_num_replicas=3, target_num_replicas=3, policy_state={}
+    )
+    assert policy(empty)[0] == 3  # no reports yet: keep the target
