@@ -15,6 +15,7 @@ from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.runner import ModelRunner
+from plaserve.grammar.matcher import Grammars
 from plaserve.kv_blocks import BlockAllocator
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.model.fused import compiled_min_tokens
@@ -110,6 +111,10 @@ class LLMEngine:
         self.loaded = loaded
         self.model_config = loaded.config if loaded else DEFAULT_CONFIG
         self.tokenizer = loaded.tokenizer if loaded else load_tokenizer(None)
+        # Structured outputs: llguidance's index of the tokenizer is built on the first such request.
+        self.grammars = Grammars(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
@@ -256,6 +261,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
         )
+        if params.structured is not None:  # a GrammarError (a ValueError) refuses the request
+            req.grammar = self.grammars.matcher(params.structured)
         if not params.greedy:
             req.generator = (
                 torch.Generator(self.device).manual_seed(params.seed)
@@ -464,9 +471,26 @@ class LLMEngine:
         if req.detokenizer is not None:
             req.output_text += req.detokenizer.add(token)
         reason = self._stop_reason(req, token, checked)
+        if req.grammar is not None and reason is None:
+            reason = self._grammar_stop(req, token)
         if reason is not None:
             self.scheduler.finish(req, reason)
             req.metrics.finish_time = now
+
+    @staticmethod
+    def _grammar_stop(req: Request, token: int) -> str | None:
+        """Advance a constrained request's matcher past ``token``: a complete grammar ends the request
+        (``stop``; only an end-of-sequence token could follow). A token the grammar refuses can only
+        come from a mask not applied, a bug: the request fails rather than break its promise."""
+        if not req.grammar.accept(token):
+            log.error(
+                "request %s: token %d outside its grammar (%s)",
+                req.request_id,
+                token,
+                req.grammar.error,
+            )
+            return "error"
+        return "stop" if req.grammar.stopped else None
 
     def _stop_reason(self, req: Request, token: int, checked: int) -> str | None:
         """Why ``req`` stops after ``token`` (None: it goes on). ``checked``: text length already

@@ -102,10 +102,21 @@ def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[int | None]:
     """One token per row of ``logits`` ``[N, vocab]`` (float32); None for an unusable row (see
-    :func:`unusable_rows`): that request fails alone, the rest of the batch goes on."""
+    :func:`unusable_rows`): that request fails alone, the rest of the batch goes on.
+
+    ``allowed``: the structured-output hook, ``(rows, mask)`` with ``mask`` ``[len(rows), vocab]``
+    bool: those rows may draw only the tokens their grammar allows next (``grammar.masks``); the
+    other rows are not touched."""
+    if allowed is not None:
+        rows, mask = allowed
+        with torch.inference_mode():  # the logits are an inference tensor
+            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
     bad = unusable_rows(logits).tolist()
     out: list[int | None] = logits.argmax(
         -1

@@ -289,6 +289,11 @@ class HFTokenizer(Tokenizer):
             text = _clean_up_tokenization(text)
         return text
 
+    def to_json_str(self) -> str:
+        """The ``tokenizer.json`` this tokenizer was read from, serialised (the grammar engine builds
+        its token index from it)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (e.g. ``"<|im_end|>"``), or None if unknown."""
         return self._tok.token_to_id(token)

@@ -90,6 +90,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)"
     )
+    api = p.add_argument_group("chat and tools", "as in vllm serve")
+    api.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file to use instead of the tokenizer's",
+    )
+    api.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (the default with tools), reading calls with --tool-call-parser',
+    )
+    api.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen2.5, Hermes, the embedded default), "
+        "llama3_json (Llama 3.x), mistral",
+    )
     http = p.add_argument_group(
         "HTTP limits", "what one connection or request may take of the server"
     )
@@ -193,6 +210,27 @@ def http_limits_from_args(args: argparse.Namespace) -> "HttpLimits":
     return HttpLimits(max_body_bytes=size, body_timeout=args.body_timeout)
 
 
+def tool_parser_from_args(args: argparse.Namespace) -> str | None:
+    """The parser of ``tool_choice: "auto"`` answers (None: auto tool choice is off); ValueError for
+    an unknown parser, or auto tool choice without one."""
+    from plaserve.server.tool_parsers import PARSERS
+
+    name = args.tool_call_parser
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"unknown --tool-call-parser {name!r}; choose one of {', '.join(PARSERS)}")
+    if args.enable_auto_tool_choice and name is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return name if args.enable_auto_tool_choice else None
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template FILE`` (None when not given)."""
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and serve until interrupted. Returns the process exit status: 0 after a normal
     shutdown, 1 when the engine failed beyond recovery (for a supervisor to restart the process), 2 for
@@ -209,10 +247,14 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = http_limits_from_args(args)
+        tool_parser = tool_parser_from_args(args)
+        chat_template = read_chat_template(args.chat_template)
         engine = LLMEngine(engine_config_from_args(args))
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:
         print(f"plaserve serve: {e}", file=sys.stderr)
         return 2
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     engine.warm_up()
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -224,7 +266,13 @@ def run_serve(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or engine.loaded.name
     loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal, model_name=name)
-    app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits)
+    app = build_app(
+        loop,
+        served_model_name=name,
+        api_key=args.api_key,
+        http_limits=limits,
+        tool_parser=tool_parser,
+    )
     if engine.loaded.random_weights:
         print(
             f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design",
