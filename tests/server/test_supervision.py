@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -46,10 +47,16 @@ class FailingRunner:
 
 
 @contextmanager
-def live_server(loop: EngineLoop) -> Iterator[str]:
+def live_server(loop: EngineLoop, **app_kwargs: Any) -> Iterator[str]:
+    """``loop`` served over HTTP on 127.0.0.1 by uvicorn on a thread of this process (``app_kwargs``:
+    for ``build_app``); yields the base URL."""
     port = free_port()
     config = uvicorn.Config(
-        build_app(loop), host="127.0.0.1", port=port, log_level="warning", http=http_protocol(10.0)
+        build_app(loop, **app_kwargs),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        http=http_protocol(10.0),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

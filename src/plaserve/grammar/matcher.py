@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import llguidance
 import torch
@@ -35,6 +37,44 @@ class _ByteVocab:
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-to-character map, by which byte-level BPE vocabularies spell bytes."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+def _uses_byte_level(node: Any) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if node.get("type") == "ByteLevel":
+        return True
+    return any(_uses_byte_level(n) for n in node.get("decoders", []) or [])
+
+
+def llguidance_json(tokenizer_json: str) -> str:
+    """``tokenizer.json`` as llguidance should read it. llguidance takes every added token for a
+    special one (text can never produce it), but models mark some as plain text, such as Qwen2.5's
+    ``<tool_call>`` tags, which a grammar must be able to produce; those move into the model's
+    vocabulary, spelled as the vocabulary spells text."""
+    data = json.loads(tokenizer_json)
+    vocab = data.get("model", {}).get("vocab")
+    if not isinstance(vocab, dict):
+        return tokenizer_json
+    alphabet = _byte_level_alphabet() if _uses_byte_level(data.get("decoder")) else None
+    kept = []
+    for token in data.get("added_tokens", []):
+        if token.get("special", True):
+            kept.append(token)
+            continue
+        text = token["content"]
+        if alphabet is not None:
+            text = "".join(alphabet[b] for b in text.encode("utf-8"))
+        vocab[text] = token["id"]
+    data["added_tokens"] = kept
+    return json.dumps(data)
+
+
 def ll_tokenizer(
     tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]
 ) -> llguidance.LLTokenizer:
@@ -42,7 +82,7 @@ def ll_tokenizer(
     tokenizer's are never allowed). Building it walks the whole vocabulary: ~0.3 s for 32k ids."""
     eos = [t for t in eos_token_ids if 0 <= t < vocab_size]
     if isinstance(tokenizer, HFTokenizer):
-        source: str | llguidance.TokenizerWrapper = tokenizer.to_json_str()
+        source: str | llguidance.TokenizerWrapper = llguidance_json(tokenizer.to_json_str())
     elif isinstance(tokenizer, ByteTokenizer):
         source = llguidance.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size))
     else:
