@@ -105,7 +105,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if runner is None and loaded is None:
-            loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+            loaded = load_model(
+                config.model, self.dtype, self.device, seed=config.seed, revision=config.revision
+            )
         if runner is None and loaded is not None and self.device.type == "cpu":
             loaded.model.compile_kernels(compiled_min_tokens(config.compile_min_tokens))
         self.loaded = loaded

@@ -89,8 +89,13 @@ class _Handlers:
         served_model_name: str,
         http_limits: HttpLimits,
         tool_parser: ToolParser | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         engine = engine_loop.engine
+        # --generation-config: the model's defaults for fields a request leaves out; its
+        # max_new_tokens caps the max_tokens an endpoint picks by itself
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.default_max_tokens: int | None = self.sampling_defaults.pop("max_tokens", None)
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice
         # Text an end-of-sequence token decodes to: cut from answers whose special tokens are kept
         # for their tool-call parser.
@@ -190,7 +195,7 @@ class _Handlers:
 
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        req = parse_completion_request(await self._body(request))
+        req = parse_completion_request(await self._body(request), self.sampling_defaults)
         self._check_model(req.model)
         check_logit_bias(req.sampling.logit_bias, self.limits)
         prompts, params = [], []
@@ -198,7 +203,9 @@ class _Handlers:
             ids = encode_prompt(self.tokenizer, prompt)
             max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
             if req.sampling.max_tokens is None:
-                max_tokens = min(max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+                max_tokens = min(
+                    max_tokens, self.default_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+                )
             choices = self._params(req.sampling, max_tokens)  # choice k * n + j: prompt k, sample j
             prompts += [ids] * len(choices)
             params += choices
@@ -252,7 +259,7 @@ class _Handlers:
         return text
 
     async def chat(self, request: Request) -> Response:
-        req = parse_chat_request(await self._body(request))
+        req = parse_chat_request(await self._body(request), self.sampling_defaults)
         self._check_model(req.model)
         check_logit_bias(req.sampling.logit_bias, self.limits)
         parser, sampling = self._chat_tools(req)
@@ -266,6 +273,8 @@ class _Handlers:
             **template_vars,
         )
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
+        if req.sampling.max_tokens is None and self.default_max_tokens:
+            max_tokens = min(max_tokens, self.default_max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gen = Generation.submit(
             self.loop,
@@ -502,13 +511,15 @@ def build_app(
     api_key: str | None = None,
     http_limits: HttpLimits = HttpLimits(),
     tool_parser: str | None = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> ErrorGuard:
     """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
     on startup and stops it on shutdown. ``tool_parser``: the ``--tool-call-parser`` that reads
-    ``tool_choice: "auto"`` answers (None: such requests get a 400)."""
+    ``tool_choice: "auto"`` answers (None: such requests get a 400). ``sampling_defaults``: the
+    model's defaults for the sampling fields a request leaves out (``--generation-config``)."""
     parser = PARSERS[tool_parser]() if tool_parser is not None else None
     name = served_model_name or engine_loop.engine.loaded.name
-    h = _Handlers(engine_loop, name, http_limits, parser)
+    h = _Handlers(engine_loop, name, http_limits, parser, sampling_defaults)
     count_error: Callable[[int], None] = engine_loop.metrics.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:

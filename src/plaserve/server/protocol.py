@@ -211,12 +211,14 @@ def parse_sampling(
     prompt_logprobs: int | None = None,
     aliases: dict[str, str] | None = None,
     structured: StructuredOutputs | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The sampling fields of a body as :class:`SamplingParams` (``max_tokens`` None where the body sets
     none: the endpoint decides). Only JSON types are checked here (422); every range is checked by
     ``SamplingParams`` itself (400 naming the field). ``logprobs``, ``prompt_logprobs``: the endpoint's
-    own reading of its logprobs fields."""
-    max_tokens, aliases = None, dict(aliases or {})
+    own reading of its logprobs fields. ``defaults``: the served model's defaults for the fields a
+    body leaves out (``--generation-config``: temperature, top_p, top_k, min_p, repetition_penalty)."""
+    max_tokens, aliases, defaults = None, dict(aliases or {}), defaults or {}
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
         if max_tokens is not None:
@@ -243,7 +245,7 @@ def parse_sampling(
         raise _type_error("stop", "a string or an array of strings", stop_value)
     stop_ids = body.get("stop_token_ids")
     floats = {
-        name: _opt_float(body, name, default)
+        name: _opt_float(body, name, defaults.get(name, default))
         for name, default in (
             ("temperature", 1.0),
             ("top_p", 1.0),
@@ -257,7 +259,7 @@ def parse_sampling(
         aliases,
         n=n,
         max_tokens=max_tokens,
-        top_k=_opt_int(body, "top_k", -1),
+        top_k=_opt_int(body, "top_k", defaults.get("top_k", -1)),
         seed=_opt_int(body, "seed"),
         stop=stop,
         stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
@@ -484,8 +486,10 @@ def parse_prompts(value: Any) -> tuple[Prompt, ...]:
     raise _type_error("prompt", "a string, an array of token ids, or an array of either", value)
 
 
-def parse_completion_request(body: dict) -> CompletionRequest:
-    """Parse a ``/v1/completions`` body."""
+def parse_completion_request(
+    body: dict, defaults: dict[str, Any] | None = None
+) -> CompletionRequest:
+    """Parse a ``/v1/completions`` body (``defaults``: see :func:`parse_sampling`)."""
     if "prompt" not in body:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
     stream, stream_options = _parse_stream(body)
@@ -504,11 +508,12 @@ def parse_completion_request(body: dict) -> CompletionRequest:
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
             structured=structured,
+            defaults=defaults,
         ),
     )
 
 
-def parse_chat_request(body: dict) -> ChatRequest:
+def parse_chat_request(body: dict, defaults: dict[str, Any] | None = None) -> ChatRequest:
     """Parse a ``/v1/chat/completions`` body (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
     stream, stream_options = _parse_stream(body)
     structured = _checked_structured(body)
@@ -537,6 +542,7 @@ def parse_chat_request(body: dict) -> ChatRequest:
             logprobs=_chat_logprobs(body),
             aliases={"logprobs": "top_logprobs"},
             structured=structured,
+            defaults=defaults,
         ),
         tools=tools,
         chat_template_kwargs=kwargs,
@@ -572,3 +578,29 @@ def parse_tokenize_request(body: dict) -> TokenizeRequest:
         add_special_tokens=_opt_bool(body, "add_special_tokens", has_prompt),
         add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
     )
+
+
+# generation_config.json's names of the sampling fields a served model may set defaults for
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_config_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """The request defaults a ``generation_config.json`` sets (vLLM's ``--generation-config auto``);
+    ValueError naming the field for a value no request could take."""
+    defaults = {
+        ours: config[theirs]
+        for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+        if config.get(theirs) is not None
+    }
+    try:
+        SamplingParams(**defaults)
+    except (ParamError, TypeError) as e:
+        raise ValueError(f"generation config: {e}") from None
+    return defaults
