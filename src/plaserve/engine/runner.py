@@ -270,12 +270,12 @@ class ModelRunner:
         raw = (
             logits[asked].log_softmax(-1) if asked else None
         )  # a copy: the penalties change logits in place
-        allowed = None if masks is None else masks.wait(reqs, logits.shape[-1], logits.device)
+        banned = None if masks is None else masks.wait(reqs, logits.shape[-1], logits.device)
         tokens = sample(
             apply_penalties(logits, reqs),
             [r.params for r in reqs],
             [r.generator for r in reqs],
-            allowed,
+            banned,
         )
         if raw is not None and (
             rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]
