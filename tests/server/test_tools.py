@@ -195,3 +195,83 @@ def test_auto_tool_calls_are_parsed_by_the_family_parser(family_server) -> None:
         .message.tool_calls
         is None
     )
+
+
+def test_the_embedded_models_template_writes_calls_the_hermes_parser_reads() -> None:
+    """The default model's template renders tools, calls and results Hermes-style, and what it
+    writes for an assistant's calls is what `--tool-call-parser hermes` reads back."""
+    from plaserve.model.tokenizer import ByteTokenizer
+    from plaserve.server.tool_parsers import HermesParser, ToolCall, parse_final
+
+    calls = [
+        {
+            "id": "a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "oslo"}'},
+        },
+        {
+            "id": "b",
+            "type": "function",
+            "function": {"name": "get_time", "arguments": '{"tz": "UTC", "24h": true}'},
+        },
+    ]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather and time?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "a", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "b", "content": "12:00"},
+    ]
+    text = ByteTokenizer().apply_chat_template(template_messages(messages), tools=TOOLS)
+    assert text.startswith("<|bos|><|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(TOOLS[1]) in text
+    assert (
+        "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n12:00\n</tool_response>" in text
+    )
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    parsed = parse_final(HermesParser(), turn)
+    assert parsed.content == "Checking.\n"
+    assert parsed.calls == [
+        ToolCall(c["function"]["name"], json.dumps(json.loads(c["function"]["arguments"])))
+        for c in calls
+    ]
+
+
+@pytest.mark.parametrize(
+    "parser,text,content,calls",
+    [
+        ("hermes", 'Hi<tool_call>{"name": "f", "arguments": {"x": 1}}', "Hi", [("f", '{"x": 1}')]),
+        ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
+        (
+            "llama3_json",
+            '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": "z"}}',
+            None,
+            [("f", "{}"), ("g", '{"y": "z"}')],
+        ),
+        ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+        (
+            "mistral",
+            'x[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1]}}]',
+            "x",
+            [("f", '{"a": [1]}')],
+        ),
+        (
+            "mistral",
+            '[TOOL_CALLS]f[ARGS]{"a": 2}[TOOL_CALLS]g[ARGS]{}',
+            None,
+            [("f", '{"a": 2}'), ("g", "{}")],
+        ),
+    ],
+)
+def test_parsers_read_their_formats(parser: str, text: str, content, calls) -> None:
+    from plaserve.server.tool_parsers import PARSERS, ToolStream, parse_final
+
+    parsed = parse_final(PARSERS[parser](), text)
+    assert parsed.content == content
+    assert [(c.name, c.arguments) for c in parsed.calls] == calls
+    # streamed a character at a time: the same content and calls, each call once
+    stream, streamed, got = ToolStream(PARSERS[parser]()), "", []
+    for end in range(1, len(text) + 1):
+        delta, new = stream.feed(text[:end], end == len(text))
+        streamed, got = streamed + delta, got + new
+    assert streamed == (content or "") and [(c.name, c.arguments) for c in got] == calls

@@ -43,6 +43,7 @@ class PendingMasks:
         self._future = future
         self.compute_s = 0.0  # the worker's time computing the masks
         self.wait_s = 0.0  # the part the sampler waited for (not hidden behind the forward pass)
+        self.unpack_s = 0.0  # unpacking the bits into the banned-token rows
 
     def wait(
         self, reqs: Sequence[Any], vocab: int, device: torch.device
@@ -55,7 +56,10 @@ class PendingMasks:
         rows = [i for i, r in enumerate(reqs) if id(r) in self._index]
         order = [self._index[id(reqs[i])] for i in rows]
         packed = bitmask[order] if order != list(range(len(bitmask))) else bitmask
-        return rows, _banned(packed, vocab, device)
+        start = time.perf_counter()
+        banned = _banned(packed, vocab, device)
+        self.unpack_s = time.perf_counter() - start
+        return rows, banned
 
 
 def _banned(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:

@@ -136,7 +136,12 @@ class Grammars:
         with self._lock:
             if self._index is None:
                 start = time.perf_counter()
-                self._index = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                try:
+                    self._index = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                except GrammarError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - llguidance refusing this tokenizer
+                    raise GrammarError(f"the grammar engine cannot read this tokenizer: {e}") from e
                 log.info(
                     "grammar engine: tokenizer index of %d ids built in %.2f s",
                     self.vocab_size,

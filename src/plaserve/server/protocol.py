@@ -9,8 +9,11 @@ live in :mod:`plaserve.server.prompts`.
 Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
 report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
 Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata``, ...); known fields that
-ask for what plaserve does not do (tool calling, guided decoding) are refused with a 400 instead, since
-ignoring them would answer a different question than the one asked.
+ask for what plaserve does not do (``suffix``, structural tags) are refused with a 400 instead, since
+ignoring them would answer a different question than the one asked. Structured outputs
+(``response_format``, ``structured_outputs``, ``guided_*``) are compiled here, so a bad schema, regex or
+grammar is a 400 naming its field before the engine sees the request; tools are
+:mod:`plaserve.server.tools`' to check.
 """
 
 from __future__ import annotations

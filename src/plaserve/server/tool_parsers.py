@@ -106,9 +106,11 @@ class Llama3JsonParser(ToolParser):
     _ARGS = ("parameters", "arguments")
 
     def parse(self, text: str, final: bool) -> Parsed:
-        body = text.lstrip()
-        body = body.removeprefix("<|python_tag|>").lstrip()
+        stripped = text.lstrip()
+        body = stripped.removeprefix("<|python_tag|>").lstrip()
         if not body.startswith("{"):
+            if body == "" and stripped.startswith("<|python_tag|>") and not final:
+                return Parsed(None, [], True)  # the tag opened a call; its JSON is yet to come
             return Parsed(text, [], False)
         values, rest = _json_values(body)
         calls = [c for v in values if (c := _call(v, self._ARGS))]
