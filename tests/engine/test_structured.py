@@ -100,20 +100,20 @@ def test_preemption_keeps_the_grammar_state(qwen2_ckpt):
     """A preempted request recomputes its tokens without resampling them, so its matcher stays
     where it was: its answer is the one it gives unpreempted."""
     tight = dict(
-        kv_cache_memory=str(21 * 8192),  # 21 blocks of 16 tokens for ~800 tokens of demand
-        max_model_len=320,
+        kv_cache_memory=str(14 * 8192),  # 14 blocks of 16 tokens for ~550 tokens of demand
+        max_model_len=208,
         max_num_batched_tokens=64,
         long_chunk_size=64,
         enable_prefix_caching=False,
         policy="fcfs",
     )
     # The constrained requests come last: the newest running request is the one preempted.
-    numbers = {"type": "array", "items": {"type": "integer", "maximum": 99}, "minItems": 25}
-    specs = [StructuredOutputs(json=json.dumps(numbers | {"maxItems": 25}))] * 2 + SPECS[1:2]
-    work = [([9] * 40, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))] * 2 + [
+    numbers = {"type": "array", "items": {"type": "integer", "maximum": 99}, "minItems": 15}
+    specs = [StructuredOutputs(json=json.dumps(numbers | {"maxItems": 15}))] * 2 + SPECS[1:2]
+    work = [([9] * 40, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))] * 2 + [
         (
             [(5 * i + j) % 300 + 4 for j in range(60)],
-            SamplingParams(max_tokens=200, temperature=0, structured=spec),
+            SamplingParams(max_tokens=140, temperature=0, structured=spec),
         )
         for i, spec in enumerate(specs)
     ]
@@ -124,7 +124,7 @@ def test_preemption_keeps_the_grammar_state(qwen2_ckpt):
     assert sum(r.metrics.num_preemptions for r in ref) == 0
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in ref]
     for req in reqs[2:4]:
-        assert req.finish_reason == "stop" and len(json.loads(req.output_text)) == 25
+        assert req.finish_reason == "stop" and len(json.loads(req.output_text)) == 15
     assert re.fullmatch(REGEX, reqs[4].output_text)
     assert engine.allocator.num_used_blocks == 0
 
@@ -145,3 +145,16 @@ def test_bad_specs_are_refused_by_name(qwen2_ckpt):
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputs(regex="a", choice=("b",))
     assert not engine.has_unfinished()
+
+
+def test_both_unpackings_of_a_bitmask_agree() -> None:
+    """The CPU's numpy unpacking and the shifts GPUs run give the same banned tokens."""
+    import torch
+
+    from plaserve.grammar.masks import _banned, _banned_on_device
+
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 16), dtype=torch.int32)
+    cpu = _banned(bitmask, 500, torch.device("cpu"))
+    assert torch.equal(cpu, _banned_on_device(bitmask, 500))
+    word, bit = 3, 7  # token 103: bit 7 of word 3
+    assert cpu[0, 32 * word + bit].item() == (not (int(bitmask[0, word]) >> bit) & 1)

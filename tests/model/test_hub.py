@@ -96,6 +96,8 @@ def test_serve_a_hub_id_offline_with_its_flags(hub, tmp_path) -> None:
         str(template),
         "--kv-cache-memory",
         "64MiB",
+        "--dtype",
+        "float32",  # no torch.compile at start-up
     ]
     with ServerProcess(args, env=env) as proc:
         with openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0) as client:

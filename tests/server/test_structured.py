@@ -19,6 +19,8 @@ import pytest
 
 TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "qwen2_5.jinja")
 SERVER_ARGS = [
+    "--dtype",
+    "float32",  # no torch.compile at start-up: the server starts in seconds
     "--enable-auto-tool-choice",
     "--tool-call-parser",
     "hermes",

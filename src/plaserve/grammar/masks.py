@@ -70,9 +70,13 @@ def _banned(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Te
         inverted = np.invert(bitmask.numpy()).view(np.uint8)
         bits = np.unpackbits(inverted, axis=1, bitorder="little")[:, :vocab]
         return torch.from_numpy(bits).view(torch.bool)
-    packed = bitmask.to(device, non_blocking=True)
-    bits = (packed.unsqueeze(-1) >> _SHIFTS.to(device)) & 1  # [k, words, 32]
-    return bits.reshape(len(packed), -1)[:, :vocab] == 0
+    return _banned_on_device(bitmask.to(device, non_blocking=True), vocab)
+
+
+def _banned_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """:func:`_banned` by shifts, where ``bitmask`` is (a GPU's)."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1  # [k, words, 32]
+    return bits.reshape(len(bitmask), -1)[:, :vocab] == 0
 
 
 def start_masks(reqs: Sequence[Any]) -> PendingMasks | None:

@@ -439,7 +439,8 @@ class _Handlers:
         req = parse_tokenize_request(await self._body(request))
         self._check_model(req.model)
         if req.messages is not None:
-            ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
+            messages = template_messages(list(req.messages))
+            ids = encode_chat(self.tokenizer, messages, req.add_generation_prompt)
         else:
             ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return JSONResponse(
