@@ -160,8 +160,11 @@ def test_required_and_named_tool_choice_are_enforced(client: openai.OpenAI) -> N
         assert choice.finish_reason == "stop" and choice.message.content is None
         call = choice.message.tool_calls[0].function
         _check_calls([(call.name, call.arguments)], ["get_time"])
-    chunks = client.chat.completions.create(tool_choice=named, stream=True, **kw)
+    chunks = list(client.chat.completions.create(tool_choice=named, stream=True, **kw))
     content, calls, reason = _streamed_calls(chunks)
+    # the arguments stream as they come: several deltas, the first with the id and the name
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_time"
     assert reason == "stop" and content == ""
     _check_calls([(c["name"], c["arguments"]) for c in calls], ["get_time"])
 

@@ -58,6 +58,7 @@ from plaserve.server.protocol import (
 )
 from plaserve.server.tool_parsers import PARSERS, ToolParser, ToolStream
 from plaserve.server.tools import (
+    NamedParser,
     call_json,
     finish_reason,
     output_parser,
@@ -393,6 +394,16 @@ class _Handlers:
                     reason = out.outputs[0].finish_reason if out.finished else None
                     new = trackers[i].new_logprobs(out.outputs[0].logprobs)
                     logprobs = None if new is None else R.chat_logprobs(new, self._decode)
+                    if isinstance(parser, NamedParser):  # the text is the arguments: stream them
+                        delta = parser.delta(text, first=not called[i])
+                        called[i] = True
+                        reason = finish_reason(parser, True, reason)
+                        yield R.sse(
+                            usage.stamp(
+                                R.chat_chunk(rid, created, name, i, delta, reason, logprobs)
+                            )
+                        )
+                        continue
                     if parser is not None:
                         texts[i] += text
                         answer = self._answer_text(texts[i], out.finished)

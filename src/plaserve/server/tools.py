@@ -183,6 +183,15 @@ class NamedParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         return Parsed(None, [ToolCall(self.function, text)] if final else [], True)
 
+    def delta(self, arguments: str, first: bool) -> dict[str, Any]:
+        """A stream delta of the call's arguments as they come (OpenAI's shape: the first delta
+        carries the call's id, type and name)."""
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
+        if first:
+            call = {"index": 0, "id": self.new_id(), "type": "function"}
+            call["function"] = {"name": self.function, "arguments": arguments}
+        return {"tool_calls": [call]}
+
 
 def output_parser(tools: Tools | None, auto: ToolParser | None) -> ToolParser | None:
     """What reads a choice's tool calls: the grammar's form for ``required`` and named functions, the
