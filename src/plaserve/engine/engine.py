@@ -455,9 +455,13 @@ class LLMEngine:
             if req.finished:
                 continue
             if token is None:  # no token could be drawn: this request fails, the batch goes on
+                grammar_error = req.grammar.error if req.grammar is not None else ""
                 log.error(
-                    "request %s: the model's logits are not finite; finishing it with an error",
+                    "request %s: %s; finishing it with an error",
                     req.request_id,
+                    f"its grammar allows no token ({grammar_error})"
+                    if grammar_error
+                    else "the model's logits are not finite",
                 )
                 self.scheduler.finish(req, "error")
                 req.metrics.finish_time = now
