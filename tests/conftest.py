@@ -291,3 +291,96 @@ def qwen2_bf16_prompts() -> list[list[int]]:
         ).tolist()
         for n, seed in ((5, 28), (17, 14), (40, 15), (300, 20), (600, 14))
     ]
+
+
+# --- tool-calling families: the tiny checkpoints with each family's special tokens and chat template --
+TEMPLATES = os.path.join(os.path.dirname(__file__), "server", "templates")
+# family: (base checkpoint fixture, template file (written from the family's published template),
+# bos, eos, special tokens added, plain tokens added (Qwen2.5's <tool_call> tags are not special))
+FAMILIES: dict[str, tuple[str, str, str | None, str, list[str], list[str]]] = {
+    "hermes": (
+        "qwen2_ckpt",
+        "qwen2_5.jinja",  # Qwen/Qwen2.5-*-Instruct
+        None,
+        "<|im_end|>",
+        ["<|endoftext|>"],
+        ["<tool_call>", "</tool_call>"],
+    ),
+    "llama3_json": (
+        "llama_ckpt",
+        "llama3_1.jinja",  # meta-llama/Llama-3.1-8B-Instruct
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        [
+            "<|begin_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ],
+        [],
+    ),
+    "mistral": (
+        "mistral_ckpt",
+        "mistral_v3.jinja",  # mistralai/Mistral-7B-Instruct-v0.3
+        "<s>",
+        "</s>",
+        [
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+        [],
+    ),
+}
+
+
+def make_family_checkpoint(directory: str, base: str, family: str) -> str:
+    """``base``'s weights (linked) with the test tokenizer extended by ``family``'s special tokens, its
+    published chat template, and its end-of-turn token as the end of sequence."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    _, template_file, bos, eos, special, plain = FAMILIES[family]
+    os.makedirs(directory, exist_ok=True)
+    for name in os.listdir(base):
+        if name.endswith(".safetensors") or name.endswith(".index.json"):
+            os.symlink(os.path.join(base, name), os.path.join(directory, name))
+    tok = Tokenizer.from_str(_trained_tokenizer().to_str())
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    with open(os.path.join(TEMPLATES, template_file), encoding="utf-8") as f:
+        template = f.read()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, chat_template=template
+    )
+    fast.save_pretrained(directory)
+    eos_id = tok.token_to_id(eos)
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(base, name), encoding="utf-8") as f:
+            config = json.load(f)
+        config["eos_token_id"] = eos_id if name == "config.json" else [eos_id]
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def family_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """``family_ckpt(name)``: the checkpoint directory of a tool-calling family (built once)."""
+    built: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            base = request.getfixturevalue(FAMILIES[family][0])
+            built[family] = make_family_checkpoint(
+                str(tmp_path_factory.mktemp(f"tools-{family}")), base, family
+            )
+        return built[family]
+
+    return get

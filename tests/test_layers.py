@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
         "plotting",
     },  # requests, blocks, bodies: no model, no torch model
     {"model"},  # the model, its layers and attention backends, tokenizers, weights
-    {"cost"},  # prefill cost models: measured, from FLOPs, analytic
+    {"cost", "grammar"},  # prefill cost models; structured outputs' grammars and token masks
     {"slo", "profile"},  # the TTFT objective; calibrated profiles
     {"config", "workload"},  # engine and scheduler settings; traces, request records, reports
     {"scheduler"},

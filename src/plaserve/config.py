@@ -53,12 +53,14 @@ class SchedulerConfig:
 class EngineConfig:
     """How to build and run one engine instance.
 
-    ``model`` is a local Hugging Face model directory, or None for the embedded default model (random
+    ``model`` is a local Hugging Face model directory, a hub model id (``Qwen/Qwen2.5-0.5B-Instruct``,
+    resolved through the hub's cache at ``revision``), or None for the embedded default model (random
     weights, byte-level tokenizer). ``kv_cache_memory`` is bytes, a size string (``"2GiB"``) or a
     fraction of the device's free memory (``"0.5"``).
     """
 
     model: str | None = None
+    revision: str | None = None  # a hub model id's branch, tag or commit (default: main)
     # auto: bfloat16 on CUDA and on CPUs with AMX or AVX512-BF16, else float32; or float32 / bfloat16 / float16
     dtype: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu

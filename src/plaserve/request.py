@@ -55,6 +55,41 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None
 
 
 @dataclass(frozen=True)
+class StructuredOutputs:
+    """What a constrained request's output must match (vLLM's ``StructuredOutputsParams``): exactly one
+    of a JSON schema, any JSON object, a regular expression, a list of choices or a grammar (Lark, or
+    GBNF as llama.cpp and xgrammar write it). The grammar engine (:mod:`plaserve.grammar`) compiles it;
+    a value it cannot compile is refused there, naming the field."""
+
+    json: str | None = None  # a JSON schema, serialised
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    strict: bool = (
+        False  # json: OpenAI's strict mode (no undeclared properties, no ignored keywords)
+    )
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ParamError(
+                "structured_outputs",
+                "structured outputs take exactly one of json, json_object, regex, choice, grammar"
+                f" (got {', '.join(given) or 'none'})",
+            )
+        if self.choice is not None:
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) for c in choice):
+                raise ParamError("structured_outputs", "choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", choice)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (the fields and defaults of vLLM's ``SamplingParams``).
 
@@ -93,6 +128,9 @@ class SamplingParams:
     )
     prompt_logprobs: int | None = (
         None  # the same for every prompt token after the first (no prefix-cache reuse)
+    )
+    structured: StructuredOutputs | None = (
+        None  # the output must match this (a token mask per step)
     )
 
     def __post_init__(self) -> None:
@@ -250,6 +288,8 @@ class Request:
             prompt_token_ids
         )  # prompt tokens not in the prefix cache on arrival
         self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival
+        # grammar.Matcher of a request with structured outputs: advanced with each output token
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -58,3 +58,37 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
 def test_negative_scheduler_flags_fail_clearly(flag, capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", flag, "-1", "--kv-cache-memory", "256MiB"]) == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "unknown --tool-call-parser"),
+        (["--enable-auto-tool-choice"], "needs --tool-call-parser"),
+        (["--chat-template", "/no/such/template.jinja"], "template.jinja"),
+    ],
+)
+def test_tool_and_template_flags_fail_clearly(argv, message, capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generation_config_defaults(tmp_path) -> None:
+    """``auto`` reads the model directory's generation_config.json, ``vllm`` nothing, a directory
+    its own file; values no request could take fail at start-up."""
+    from plaserve.server.cli import sampling_defaults_from_args
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"temperature": 0.6, "top_p": 0.9, "max_new_tokens": 7, "do_sample": true}'
+    )
+    expected = {"temperature": 0.6, "top_p": 0.9, "max_tokens": 7}
+    assert sampling_defaults_from_args(serve_args([]), str(tmp_path)) == expected
+    assert (
+        sampling_defaults_from_args(serve_args(["--generation-config", "vllm"]), str(tmp_path))
+        == {}
+    )
+    other = serve_args(["--generation-config", str(tmp_path)])
+    assert sampling_defaults_from_args(other, None) == expected
+    (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
+    with pytest.raises(ValueError, match="top_p"):
+        sampling_defaults_from_args(serve_args([]), str(tmp_path))

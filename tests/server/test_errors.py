@@ -193,39 +193,52 @@ TOOL = {
     "type": "function",
     "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
 }
-JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
-# (endpoint, fields of a request that asks for a feature plaserve lacks, the param its 400 names)
+# (endpoint, fields of a request that asks for tools or structured outputs wrongly, the param its 400
+# names, a piece of the message). This server runs without --enable-auto-tool-choice.
 REFUSED = [
-    ("chat", {"tools": [TOOL]}, "tools"),
-    ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tools"),
-    ("chat", {"functions": [TOOL["function"]]}, "functions"),
-    ("chat", {"tool_choice": "required"}, "tool_choice"),
+    ("chat", {"tools": [TOOL]}, "tool_choice", "--enable-auto-tool-choice"),
+    ("chat", {"tools": [TOOL], "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
+    ("chat", {"functions": [TOOL["function"]]}, "tool_choice", "--enable-auto-tool-choice"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "needs tools"),
     (
         "chat",
-        {"tools": [], "tool_choice": {"type": "function", "function": {"name": "now"}}},
+        {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "later"}}},
         "tool_choice",
+        "'later', which is not among the tools (now)",
     ),
-    ("chat", {"function_call": "auto"}, "function_call"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"response_format": JSON_SCHEMA}, "response_format"),
+    ("chat", {"function_call": "auto"}, "function_call", "needs tools"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format", "'yaml'"),
+    (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format",
+        "needs a 'schema'",
+    ),
     (
         "completions",
-        {"extra_body": {"response_format": {"type": "json_object"}}},
-        "response_format",
+        {"extra_body": {"response_format": {"type": "json_object"}, "guided_regex": "a+"}},
+        "guided_regex",
+        "one kind of structured output at a time",
     ),
-    ("chat", {"extra_body": {"guided_json": {"type": "object"}}}, "guided_json"),
-    ("completions", {"extra_body": {"guided_regex": "[0-9]+"}}, "guided_regex"),
-    ("completions", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
-    ("chat", {"extra_body": {"guided_grammar": 'root ::= "a"'}}, "guided_grammar"),
+    ("completions", {"extra_body": {"guided_regex": "[0-9"}}, "guided_regex", "regex"),
+    ("chat", {"extra_body": {"guided_grammar": 'root ::= "a'}}, "guided_grammar", "grammar"),
     (
         "chat",
-        {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}},
+        {"extra_body": {"structured_outputs": {"structural_tag": "{}"}}},
         "structured_outputs",
+        "not supported",
+    ),
+    (
+        "chat",
+        {"extra_body": {"structured_outputs": {"choice": ["a"], "regex": "a"}}},
+        "structured_outputs",
+        "exactly one of",
     ),
 ]
 # Fields with values that ask for nothing, so plain generation answers them.
 ACCEPTED = [
     ("chat", {"tools": [], "tool_choice": "none"}),
+    ("chat", {"tools": [TOOL], "tool_choice": "none"}),
     (
         "chat",
         {
@@ -248,15 +261,18 @@ def _create(client: openai.OpenAI, endpoint: str, **fields: object) -> object:
 
 
 @pytest.mark.parametrize(
-    "endpoint,fields,param", REFUSED, ids=[f"{e}-{p}-{i}" for i, (e, _, p) in enumerate(REFUSED)]
+    "endpoint,fields,param,message",
+    REFUSED,
+    ids=[f"{e}-{p}-{i}" for i, (e, _, p, _) in enumerate(REFUSED)],
 )
-def test_unsupported_features_are_refused(
-    client: openai.OpenAI, endpoint: str, fields: dict, param: str
+def test_bad_tool_and_structured_requests_are_refused(
+    client: openai.OpenAI, endpoint: str, fields: dict, param: str, message: str
 ) -> None:
-    """Tool calling and guided decoding get a 400 naming the field, not an answer that ignores it."""
+    """Tool calling and structured outputs asked for wrongly get a 400 naming the field and the
+    problem, not an answer that ignores them."""
     with pytest.raises(openai.BadRequestError) as info:
         _create(client, endpoint, **fields)
-    assert info.value.param == param and "not supported" in info.value.message
+    assert info.value.param == param and message in info.value.message, info.value.message
     assert (
         _create(client, endpoint).choices[0].finish_reason is not None
     )  # and the server goes on serving

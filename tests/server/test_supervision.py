@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
@@ -46,10 +47,16 @@ class FailingRunner:
 
 
 @contextmanager
-def live_server(loop: EngineLoop) -> Iterator[str]:
+def live_server(loop: EngineLoop, **app_kwargs: Any) -> Iterator[str]:
+    """``loop`` served over HTTP on 127.0.0.1 by uvicorn on a thread of this process (``app_kwargs``:
+    for ``build_app``); yields the base URL."""
     port = free_port()
     config = uvicorn.Config(
-        build_app(loop), host="127.0.0.1", port=port, log_level="warning", http=http_protocol(10.0)
+        build_app(loop, **app_kwargs),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        http=http_protocol(10.0),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -129,8 +136,12 @@ def test_a_failed_step_fails_its_requests_cleanly_frees_kv_and_the_engine_restar
         outcomes = asyncio.run(burst())
         assert set(outcomes) <= {"ok", "error_event", "http_503"}, outcomes
         assert "error_event" in outcomes  # the step failed with requests in flight
+        # Clients hear of the failure before the reset is done (/health answers 503 meanwhile).
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code != 200:
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(0.05)
         assert loop.restarts == 1
-        assert httpx.get(f"{url}/health").status_code == 200
         wait_idle(url)  # every block freed
         # The restarted engine serves as before.
         again = httpx.post(

@@ -16,6 +16,8 @@ from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.kv_transfer import KVHandoff
 from plaserve.engine.runner import ModelRunner
+from plaserve.grammar.compile import GrammarError
+from plaserve.grammar.matcher import Grammars
 from plaserve.kv_blocks import BlockAllocator
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.model.fused import compiled_min_tokens
@@ -105,12 +107,18 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if runner is None and loaded is None:
-            loaded = load_model(config.model, self.dtype, self.device, seed=config.seed)
+            loaded = load_model(
+                config.model, self.dtype, self.device, seed=config.seed, revision=config.revision
+            )
         if runner is None and loaded is not None and self.device.type == "cpu":
             loaded.model.compile_kernels(compiled_min_tokens(config.compile_min_tokens))
         self.loaded = loaded
         self.model_config = loaded.config if loaded else DEFAULT_CONFIG
         self.tokenizer = loaded.tokenizer if loaded else load_tokenizer(None)
+        # Structured outputs: llguidance's index of the tokenizer is built on the first such request.
+        self.grammars = Grammars(
+            self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids
+        )
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
@@ -171,9 +179,14 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Run one throwaway step of a full token budget (and a decode) before serving, so that the
-        first requests do not pay for first-call costs. Touches no request, block or counter; does
-        nothing with a model-free runner."""
+        first requests do not pay for first-call costs, and build the grammar engine's tokenizer
+        index (~0.3 s for 32k ids), which the first request with structured outputs would otherwise
+        wait for. Touches no request, block or counter; does nothing with a model-free runner."""
         if isinstance(self.runner, ModelRunner):
+            try:
+                self.grammars.index  # noqa: B018 - built on first access
+            except GrammarError as e:  # the model serves; its structured-output requests get 400s
+                log.warning("structured outputs unavailable: %s", e)
             budget = self.config.scheduler.max_num_batched_tokens
             self.runner.warm_up(max(1, min(budget, self.max_model_len - 1)))
 
@@ -259,6 +272,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             eos_token_ids=tuple(self.model_config.eos_token_ids),
         )
+        if params.structured is not None:  # a GrammarError (a ValueError) refuses the request
+            req.grammar = self.grammars.matcher(params.structured)
         if not params.greedy:
             req.generator = (
                 torch.Generator(self.device).manual_seed(params.seed)
@@ -445,9 +460,13 @@ class LLMEngine:
             if req.finished:
                 continue
             if token is None:  # no token could be drawn: this request fails, the batch goes on
+                grammar_error = req.grammar.error if req.grammar is not None else ""
                 log.error(
-                    "request %s: the model's logits are not finite; finishing it with an error",
+                    "request %s: %s; finishing it with an error",
                     req.request_id,
+                    f"its grammar allows no token ({grammar_error})"
+                    if grammar_error
+                    else "the model's logits are not finite",
                 )
                 self.scheduler.finish(req, "error")
                 self.kv_handoff.forget(req.request_id)
@@ -470,10 +489,27 @@ class LLMEngine:
         if req.detokenizer is not None:
             req.output_text += req.detokenizer.add(token)
         reason = self._stop_reason(req, token, checked)
+        if req.grammar is not None and reason is None:
+            reason = self._grammar_stop(req, token)
         if reason is not None:
             self.kv_handoff.on_finish(req)  # a prefill for a remote decode keeps its blocks
             self.scheduler.finish(req, reason)
             req.metrics.finish_time = now
+
+    @staticmethod
+    def _grammar_stop(req: Request, token: int) -> str | None:
+        """Advance a constrained request's matcher past ``token``: a complete grammar ends the request
+        (``stop``; only an end-of-sequence token could follow). A token the grammar refuses can only
+        come from a mask not applied, a bug: the request fails rather than break its promise."""
+        if not req.grammar.accept(token):
+            log.error(
+                "request %s: token %d outside its grammar (%s)",
+                req.request_id,
+                token,
+                req.grammar.error,
+            )
+            return "error"
+        return "stop" if req.grammar.stopped else None
 
     def _stop_reason(self, req: Request, token: int, checked: int) -> str | None:
         """Why ``req`` stops after ``token`` (None: it goes on). ``checked``: text length already

@@ -9,6 +9,7 @@ import torch
 
 from plaserve.engine.graphs import DecodeRunner, GraphGrid
 from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
+from plaserve.grammar.masks import start_masks
 from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.model.llama import LlamaForCausalLM
@@ -255,6 +256,8 @@ class ModelRunner:
         """Run ``batch``; returns the sampled token of each item that samples, by item index (None where
         the logits were unusable: see ``sampler.unusable_rows``). For each request that asked for
         logprobs, the sampled token's are appended to ``output_logprobs`` too."""
+        # Structured outputs: the constrained rows' masks are computed while the forward pass runs.
+        masks = start_masks([it.request for it in batch.items if it.samples])
         hidden, packed = self._forward(batch)
         for i, it in enumerate(batch.items):
             if it.request.params.prompt_logprobs is not None:
@@ -267,8 +270,12 @@ class ModelRunner:
         raw = (
             logits[asked].log_softmax(-1) if asked else None
         )  # a copy: the penalties change logits in place
+        banned = None if masks is None else masks.wait(reqs, logits.shape[-1], logits.device)
         tokens = sample(
-            apply_penalties(logits, reqs), [r.params for r in reqs], [r.generator for r in reqs]
+            apply_penalties(logits, reqs),
+            [r.params for r in reqs],
+            [r.generator for r in reqs],
+            banned,
         )
         if raw is not None and (
             rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]

@@ -11,6 +11,7 @@ import torch
 
 from plaserve.model.config import ModelConfig
 from plaserve.model.default import DEFAULT_CONFIG, DEFAULT_MODEL_NAME, init_random_weights
+from plaserve.model.hub import resolve_model
 from plaserve.model.layers import RotaryEmbedding
 from plaserve.model.llama import LlamaForCausalLM
 from plaserve.model.tokenizer import Tokenizer, load_tokenizer
@@ -119,19 +120,23 @@ def random_model(
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, device: torch.device, seed: int = 0
+    path: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    revision: str | None = None,
 ) -> LoadedModel:
-    """Load ``path`` (a Hugging Face model directory) or, when None, build the embedded default."""
+    """Load ``path`` (a Hugging Face model directory, or a hub repository id resolved through the
+    hub's cache at ``revision``: :func:`plaserve.model.hub.resolve_model`) or, when None, build the
+    embedded default. A hub id is the model's name; a directory's name is its last component."""
     if path is None:
         log.warning(
             "no model given: using the embedded default model %s (RANDOM WEIGHTS, output is gibberish)",
             DEFAULT_MODEL_NAME,
         )
         return random_model(DEFAULT_CONFIG, dtype, device, seed)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"model directory {path!r} does not exist (plaserve loads local checkpoints only)"
-        )
+    name = path if not os.path.isdir(path) else os.path.basename(os.path.normpath(path))
+    path = resolve_model(path, revision)
     cfg = ModelConfig.from_pretrained(path)
     tokenizer = load_tokenizer(path)
     if not cfg.eos_token_ids and tokenizer.eos_token_ids:
@@ -144,6 +149,4 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fuse_projections()
-    return LoadedModel(
-        model.eval(), cfg, tokenizer, os.path.basename(os.path.normpath(path)), path, False
-    )
+    return LoadedModel(model.eval(), cfg, tokenizer, name, path, False)

@@ -289,6 +289,11 @@ class HFTokenizer(Tokenizer):
             text = _clean_up_tokenization(text)
         return text
 
+    def to_json_str(self) -> str:
+        """The ``tokenizer.json`` this tokenizer was read from, serialised (the grammar engine builds
+        its token index from it)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (e.g. ``"<|im_end|>"``), or None if unknown."""
         return self._tok.token_to_id(token)
@@ -316,13 +321,56 @@ def _clean_up_tokenization(text: str) -> str:
 # Byte-level tokenizer for the embedded default model
 # --------------------------------------------------------------------------------------
 
-_BYTE_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# ChatML as Qwen2.5 writes it, tools included (Hermes-style: the functions listed in the system turn,
+# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as <tool_response> in a user
+# turn), so `--tool-call-parser hermes` reads the embedded model's calls; without Qwen's default
+# system prompt, and after the byte model's bos.
+_BYTE_CHAT_TEMPLATE = """{{- bos_token }}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
+    {{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" + tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and " }}
+    {{- "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n" }}
+    {{- '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and loop.first %}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for call in message.tool_calls %}
+            {%- set call = call.function if call.function is defined else call %}
+            {{- '\n<tool_call>\n{"name": "' + call.name + '", "arguments": ' }}
+            {{- call.arguments | tojson + '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
 
 
 class ByteTokenizer(Tokenizer):

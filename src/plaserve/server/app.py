@@ -50,11 +50,21 @@ from plaserve.server.prompts import (
     encode_prompt,
 )
 from plaserve.server.protocol import (
+    ChatRequest,
     StreamOptions,
     parse_chat_request,
     parse_completion_request,
     parse_json_object,
     parse_tokenize_request,
+)
+from plaserve.server.tool_parsers import PARSERS, ToolParser, ToolStream
+from plaserve.server.tools import (
+    NamedParser,
+    call_json,
+    finish_reason,
+    output_parser,
+    template_messages,
+    tool_message,
 )
 
 log = logging.getLogger(__name__)
@@ -81,9 +91,23 @@ class _Handlers:
         served_model_name: str,
         http_limits: HttpLimits,
         pd: PDWorker | None = None,
+        tool_parser: ToolParser | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         engine = engine_loop.engine
         self.pd = pd
+        # --generation-config: the model's defaults for fields a request leaves out; its
+        # max_new_tokens caps the max_tokens an endpoint picks by itself
+        self.sampling_defaults = dict(sampling_defaults or {})
+        self.default_max_tokens: int | None = self.sampling_defaults.pop("max_tokens", None)
+        self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice
+        # Text an end-of-sequence token decodes to: cut from answers whose special tokens are kept
+        # for their tool-call parser.
+        self._eos_texts = tuple(
+            t
+            for i in engine.model_config.eos_token_ids
+            if (t := engine.tokenizer.decode([i], skip_special_tokens=False))
+        )
         self.http_limits = http_limits
         self.loop = engine_loop
         self.model_name = served_model_name
@@ -219,7 +243,7 @@ class _Handlers:
     # --- generation ----------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         body = await self._body(request)
-        req = parse_completion_request(body)
+        req = parse_completion_request(body, self.sampling_defaults)
         self._check_model(req.model)
         check_logit_bias(req.sampling.logit_bias, self.limits)
         prompts, params = [], []
@@ -227,7 +251,9 @@ class _Handlers:
             ids = encode_prompt(self.tokenizer, prompt)
             max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
             if req.sampling.max_tokens is None:
-                max_tokens = min(max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+                max_tokens = min(
+                    max_tokens, self.default_max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+                )
             choices = self._params(req.sampling, max_tokens)  # choice k * n + j: prompt k, sample j
             prompts += [ids] * len(choices)
             params += choices
@@ -268,33 +294,68 @@ class _Handlers:
             )
         )
 
+    def _chat_tools(self, req: ChatRequest) -> tuple[ToolParser | None, SamplingParams]:
+        """The parser of the request's tool calls, and its sampling (special tokens kept where the
+        parser's marker is one)."""
+        tools, sampling = req.tools, req.sampling
+        if tools is not None and tools.choice == "auto" and self.tool_parser is None:
+            raise ApiError(
+                400,
+                '"auto" tool choice requires the server to run with --enable-auto-tool-choice and '
+                '--tool-call-parser (or send tool_choice "none", "required" or a named function)',
+                param="tool_choice",
+            )
+        parser = output_parser(tools, self.tool_parser)
+        if parser is not None and parser.keeps_special_tokens:
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+        return parser, sampling
+
+    def _answer_text(self, text: str, finished: bool) -> str:
+        """A tool-parsed answer's text without the end-of-sequence token's text (present when the
+        parser keeps special tokens)."""
+        if finished:
+            for eos in self._eos_texts:
+                text = text.removesuffix(eos)
+        return text
+
     async def chat(self, request: Request) -> Response:
         body = await self._body(request)
-        req = parse_chat_request(body)
+        req = parse_chat_request(body, self.sampling_defaults)
         self._check_model(req.model)
         check_logit_bias(req.sampling.logit_bias, self.limits)
-        ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
+        parser, sampling = self._chat_tools(req)
+        template_vars = dict(req.chat_template_kwargs or {})
+        if req.tools is not None:
+            template_vars["tools"] = list(req.tools.tools)
+        ids = encode_chat(
+            self.tokenizer,
+            template_messages(list(req.messages)),
+            req.add_generation_prompt,
+            **template_vars,
+        )
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
+        if req.sampling.max_tokens is None and self.default_max_tokens:
+            max_tokens = min(max_tokens, self.default_max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
         gen = await self._start(
-            kvp, rid, [ids] * req.sampling.n, self._params(req.sampling, max_tokens), req.sampling.n
+            kvp, rid, [ids] * req.sampling.n, self._params(sampling, max_tokens), req.sampling.n
         )
         if req.stream:
             return EventStreamResponse(
-                self._stream_chat(gen, rid, req.stream_options, req.sampling)
+                self._stream_chat(gen, rid, req.stream_options, req.sampling, parser)
             )
         outputs = await self._wait(request, gen)
-        return JSONResponse(
-            self._kv_export(
-                kvp,
-                rid,
-                outputs,
-                R.chat_response(
-                    rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode
-                ),
-            )
+        answer = R.chat_response(
+            rid, int(time.time()), self.model_name, outputs, req.sampling.n, self._decode
         )
+        if parser is not None:
+            for choice, out in zip(answer["choices"], outputs):
+                text = self._answer_text(out.outputs[0].text, True)
+                choice["message"], choice["finish_reason"] = tool_message(
+                    parser, text, choice["finish_reason"]
+                )
+        return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
 
     @staticmethod
     def _stream_usage(gen: Generation, options: StreamOptions, n: int) -> R.StreamUsage:
@@ -358,10 +419,19 @@ class _Handlers:
         yield R.DONE
 
     async def _stream_chat(
-        self, gen: Generation, rid: str, options: StreamOptions, sampling: SamplingParams
+        self,
+        gen: Generation,
+        rid: str,
+        options: StreamOptions,
+        sampling: SamplingParams,
+        parser: ToolParser | None = None,
     ) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
+        # Tool calls: each choice's text so far, read by its parser into content and whole calls.
+        tool_streams = [ToolStream(parser) for _ in gen.submissions] if parser else []
+        texts = [""] * len(gen.submissions)
+        called = [False] * len(gen.submissions)
         usage = self._stream_usage(gen, options, sampling.n)
         try:
             for i in range(
@@ -381,6 +451,27 @@ class _Handlers:
                     reason = out.outputs[0].finish_reason if out.finished else None
                     new = trackers[i].new_logprobs(out.outputs[0].logprobs)
                     logprobs = None if new is None else R.chat_logprobs(new, self._decode)
+                    if isinstance(parser, NamedParser):  # the text is the arguments: stream them
+                        delta = parser.delta(text, first=not called[i])
+                        called[i] = True
+                        reason = finish_reason(parser, True, reason)
+                        yield R.sse(
+                            usage.stamp(
+                                R.chat_chunk(rid, created, name, i, delta, reason, logprobs)
+                            )
+                        )
+                        continue
+                    if parser is not None:
+                        texts[i] += text
+                        answer = self._answer_text(texts[i], out.finished)
+                        text, calls = tool_streams[i].feed(answer, out.finished)
+                        if calls:
+                            first, called[i] = tool_streams[i].calls_sent - len(calls), True
+                            delta = {"tool_calls": call_json(parser, calls, first)}
+                            yield R.sse(
+                                usage.stamp(R.chat_chunk(rid, created, name, i, delta, None))
+                            )
+                        reason = finish_reason(parser, called[i], reason)
                     yield R.sse(
                         usage.stamp(
                             R.chat_chunk(rid, created, name, i, {"content": text}, reason, logprobs)
@@ -416,7 +507,8 @@ class _Handlers:
         req = parse_tokenize_request(await self._body(request))
         self._check_model(req.model)
         if req.messages is not None:
-            ids = encode_chat(self.tokenizer, list(req.messages), req.add_generation_prompt)
+            messages = template_messages(list(req.messages))
+            ids = encode_chat(self.tokenizer, messages, req.add_generation_prompt)
         else:
             ids = self.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
         return JSONResponse(
@@ -489,11 +581,18 @@ def build_app(
     api_key: str | None = None,
     http_limits: HttpLimits = HttpLimits(),
     pd: PDWorker | None = None,
+    tool_parser: str | None = None,
+    sampling_defaults: dict[str, Any] | None = None,
 ) -> ErrorGuard:
     """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
     on startup and stops it on shutdown. ``pd``: this worker's part in prefill/decode disaggregation
-    (its KV transfer service runs while the app does; docs/PD.md)."""
-    h = _Handlers(engine_loop, served_model_name or engine_loop.engine.loaded.name, http_limits, pd)
+    (its KV transfer service runs while the app does; docs/PD.md). ``tool_parser``: the
+    ``--tool-call-parser`` that reads ``tool_choice: "auto"`` answers (None: such requests get a 400).
+    ``sampling_defaults``: the model's defaults for the sampling fields a request leaves out
+    (``--generation-config``)."""
+    parser = PARSERS[tool_parser]() if tool_parser is not None else None
+    name = served_model_name or engine_loop.engine.loaded.name
+    h = _Handlers(engine_loop, name, http_limits, pd, parser, sampling_defaults)
     count_error: Callable[[int], None] = engine_loop.metrics.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:

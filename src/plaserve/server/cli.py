@@ -25,7 +25,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "model",
         nargs="?",
         default=None,
-        help="local Hugging Face model directory (default: the embedded random-weight model)",
+        help="a local Hugging Face model directory or a hub model id such as "
+        "Qwen/Qwen2.5-0.5B-Instruct (default: the embedded random-weight model)",
+    )
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="a hub model id's branch, tag or commit (default: main)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -89,6 +95,30 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--uvicorn-log-level", default="warning", help="uvicorn's log level (default warning)"
+    )
+    api = p.add_argument_group("chat and tools", "as in vllm serve")
+    api.add_argument(
+        "--generation-config",
+        default="auto",
+        help="auto (default): the model's generation_config.json sets the defaults of temperature, "
+        "top_p, top_k, min_p, repetition_penalty and (as max_new_tokens) max_tokens; vllm: "
+        "plaserve's own defaults; or a directory holding a generation_config.json",
+    )
+    api.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file to use instead of the tokenizer's",
+    )
+    api.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice "auto" (the default with tools), reading calls with --tool-call-parser',
+    )
+    api.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes (Qwen2.5, Hermes, the embedded default), "
+        "llama3_json (Llama 3.x), mistral",
     )
     http = p.add_argument_group(
         "HTTP limits", "what one connection or request may take of the server"
@@ -185,6 +215,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The :class:`EngineConfig` the flags describe (unset flags keep the engine's defaults)."""
     kwargs: dict[str, object] = {
         "model": args.model,
+        "revision": args.revision,
         "kv_cache_memory": args.kv_cache_memory,
         "max_model_len": args.max_model_len,
         "dtype": args.dtype,
@@ -228,6 +259,53 @@ def http_limits_from_args(args: argparse.Namespace) -> "HttpLimits":
     return HttpLimits(max_body_bytes=size, body_timeout=args.body_timeout)
 
 
+def tool_parser_from_args(args: argparse.Namespace) -> str | None:
+    """The parser of ``tool_choice: "auto"`` answers (None: auto tool choice is off); ValueError for
+    an unknown parser, or auto tool choice without one."""
+    from plaserve.server.tool_parsers import PARSERS
+
+    name = args.tool_call_parser
+    if name is not None and name not in PARSERS:
+        raise ValueError(f"unknown --tool-call-parser {name!r}; choose one of {', '.join(PARSERS)}")
+    if args.enable_auto_tool_choice and name is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return name if args.enable_auto_tool_choice else None
+
+
+def sampling_defaults_from_args(args: argparse.Namespace, model_dir: str | None) -> dict:
+    """The request defaults ``--generation-config`` sets (see ``generation_config_defaults``)."""
+    import json
+    import os
+
+    from plaserve.server.protocol import generation_config_defaults
+
+    where = args.generation_config
+    if where == "vllm":
+        return {}
+    if where == "auto":
+        if model_dir is None:
+            return {}
+        where = model_dir
+    elif not os.path.isdir(where):
+        raise ValueError(f"--generation-config {where!r}: give auto, vllm or a directory")
+    path = os.path.join(where, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        defaults = generation_config_defaults(json.load(f))
+    if defaults:
+        log.info("default sampling from %s: %s", path, defaults)
+    return defaults
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The text of ``--chat-template FILE`` (None when not given)."""
+    if path is None:
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and serve until interrupted. Returns the process exit status: 0 after a normal
     shutdown, 1 when the engine failed beyond recovery (for a supervisor to restart the process), 2 for
@@ -244,10 +322,15 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         limits = http_limits_from_args(args)
+        tool_parser = tool_parser_from_args(args)
+        chat_template = read_chat_template(args.chat_template)
         engine = LLMEngine(engine_config_from_args(args))
-    except (ValueError, TypeError, FileNotFoundError) as e:
+        sampling_defaults = sampling_defaults_from_args(args, engine.loaded.path)
+    except (ValueError, TypeError, OSError) as e:
         print(f"plaserve serve: {e}", file=sys.stderr)
         return 2
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     engine.warm_up()
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
@@ -272,7 +355,15 @@ def run_serve(args: argparse.Namespace) -> int:
             ttl=args.kv_transfer_ttl,
             pull_timeout=args.kv_pull_timeout,
         )
-    app = build_app(loop, served_model_name=name, api_key=args.api_key, http_limits=limits, pd=pd)
+    app = build_app(
+        loop,
+        served_model_name=name,
+        api_key=args.api_key,
+        http_limits=limits,
+        pd=pd,
+        tool_parser=tool_parser,
+        sampling_defaults=sampling_defaults,
+    )
     if engine.loaded.random_weights:
         print(
             f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design",

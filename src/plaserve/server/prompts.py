@@ -8,6 +8,7 @@ own status code at once and never occupies the engine. The engine repeats the ba
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 
@@ -34,21 +35,31 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
 
 
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_vars: Any,
 ) -> str:
-    """The chat template applied to ``messages``; a missing template or a rejected conversation is a 400."""
+    """The chat template applied to ``messages`` (``template_vars``: ``tools`` and the request's
+    ``chat_template_kwargs``); a missing template or a rejected conversation is a 400."""
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_vars
+        )
     except (ValueError, jinja2.TemplateError) as e:
         raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
 
 def encode_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_vars: Any,
 ) -> list[int]:
     """Token ids of a chat prompt. The rendered template already holds the special tokens it wants."""
     return tokenizer.encode(
-        render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False
+        render_chat(tokenizer, messages, add_generation_prompt, **template_vars),
+        add_special_tokens=False,
     )
 
 

@@ -9,18 +9,24 @@ live in :mod:`plaserve.server.prompts`.
 Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
 report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
 Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata``, ...); known fields that
-ask for what plaserve does not do (tool calling, guided decoding) are refused with a 400 instead, since
-ignoring them would answer a different question than the one asked.
+ask for what plaserve does not do (``suffix``, structural tags) are refused with a 400 instead, since
+ignoring them would answer a different question than the one asked. Structured outputs
+(``response_format``, ``structured_outputs``, ``guided_*``) are compiled here, so a bad schema, regex or
+grammar is a 400 naming its field before the engine sees the request; tools are
+:mod:`plaserve.server.tools`' to check.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from plaserve import json_body
-from plaserve.request import ParamError, SamplingParams
+from plaserve.grammar import GrammarError, check
+from plaserve.request import ParamError, SamplingParams, StructuredOutputs
 from plaserve.server.errors import ApiError
+from plaserve.server.tools import Tools, parse_tools
 
 Prompt = str | list[int]
 _MISSING = object()
@@ -56,11 +62,13 @@ class ChatRequest:
     """``POST /v1/chat/completions``: messages with string content (text parts are joined)."""
 
     model: str | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]  # role, content; tool_calls, tool_call_id where given
     stream: bool
     stream_options: StreamOptions
     add_generation_prompt: bool
     sampling: SamplingParams  # max_tokens None: the endpoint's default
+    tools: Tools | None = None  # the tools and tool_choice (None: neither)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ class TokenizeRequest:
 
     model: str | None
     prompt: str | None
-    messages: tuple[dict[str, str], ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     add_special_tokens: bool
     add_generation_prompt: bool
 
@@ -205,12 +213,15 @@ def parse_sampling(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     aliases: dict[str, str] | None = None,
+    structured: StructuredOutputs | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The sampling fields of a body as :class:`SamplingParams` (``max_tokens`` None where the body sets
     none: the endpoint decides). Only JSON types are checked here (422); every range is checked by
     ``SamplingParams`` itself (400 naming the field). ``logprobs``, ``prompt_logprobs``: the endpoint's
-    own reading of its logprobs fields."""
-    max_tokens, aliases = None, dict(aliases or {})
+    own reading of its logprobs fields. ``defaults``: the served model's defaults for the fields a
+    body leaves out (``--generation-config``: temperature, top_p, top_k, min_p, repetition_penalty)."""
+    max_tokens, aliases, defaults = None, dict(aliases or {}), defaults or {}
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
         if max_tokens is not None:
@@ -237,7 +248,7 @@ def parse_sampling(
         raise _type_error("stop", "a string or an array of strings", stop_value)
     stop_ids = body.get("stop_token_ids")
     floats = {
-        name: _opt_float(body, name, default)
+        name: _opt_float(body, name, defaults.get(name, default))
         for name, default in (
             ("temperature", 1.0),
             ("top_p", 1.0),
@@ -251,7 +262,7 @@ def parse_sampling(
         aliases,
         n=n,
         max_tokens=max_tokens,
-        top_k=_opt_int(body, "top_k", -1),
+        top_k=_opt_int(body, "top_k", defaults.get("top_k", -1)),
         seed=_opt_int(body, "seed"),
         stop=stop,
         stop_token_ids=tuple(_int_list(stop_ids, "stop_token_ids")) if stop_ids is not None else (),
@@ -262,6 +273,7 @@ def parse_sampling(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         logit_bias=_parse_logit_bias(body.get("logit_bias")),
+        structured=structured,
         **floats,
     )
 
@@ -284,53 +296,112 @@ def _parse_stream(body: dict) -> tuple[bool, StreamOptions]:
     )
 
 
-# vLLM's: the older guided_* fields and structured_outputs, which replaced them
-_GUIDED_DECODING_EXTRAS = (
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-)
+# vLLM's older names of structured outputs (each a top-level field) and the StructuredOutputs field each
+# sets; `structured_outputs` replaced them.
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def _refuse_unsupported(body: dict, *, chat: bool) -> None:
-    """400 for fields that ask for a feature plaserve lacks: guided decoding (``response_format`` other than
-    text, vLLM's ``guided_*``) and, on ``chat``, tool calling. Values that ask for nothing pass: null,
-    ``response_format: {"type": "text"}``, ``tools: []``, ``tool_choice: "none"``."""
-    response_format = body.get("response_format")
+def _structured_value(name: str, kind: str, value: Any) -> dict[str, Any]:
+    """One kind of structured output, its JSON type checked (422 naming ``name``)."""
+    if kind == "json":
+        if isinstance(value, dict):
+            return {"json": json.dumps(value)}
+        if isinstance(value, str):
+            return {"json": value}
+        raise _type_error(name, "a JSON schema (an object or its JSON text)", value)
+    if kind == "json_object":
+        if not isinstance(value, bool):
+            raise _type_error(name, "a boolean", value)
+        return {"json_object": value}
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise _type_error(name, "an array of strings", value)
+        return {"choice": tuple(value)}
+    if not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return {kind: value}
+
+
+def _parse_response_format(value: Any) -> tuple[dict[str, Any], str] | None:
+    """OpenAI's ``response_format``: ``text`` (nothing), ``json_object``, or ``json_schema`` with its
+    ``schema`` and ``strict``."""
+    if value is None:
+        return None
+    name = "response_format"
+    if not isinstance(value, dict):
+        raise _type_error(name, "an object", value)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}, name
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _type_error(f"{name}.json_schema", "an object", spec)
+        schema = spec.get("schema", _MISSING)
+        if schema is _MISSING:
+            raise ApiError(400, f"{name}.json_schema needs a 'schema'", param=name)
+        strict = _opt_bool(spec, "strict", False)
+        return {
+            **_structured_value(f"{name}.json_schema.schema", "json", schema),
+            "strict": strict,
+        }, name
+    raise ApiError(
+        400,
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param=name,
+    )
+
+
+def parse_structured(body: dict) -> tuple[StructuredOutputs, str] | None:
+    """The request's structured outputs and the field that asked for them (its errors name it), from
+    ``response_format``, vLLM's ``structured_outputs`` or its older ``guided_*`` fields; None when the
+    body asks for none. Two of them at once is a 400. The grammar itself is compiled (and a bad one
+    refused) by :func:`plaserve.grammar.check`."""
+    found: list[tuple[dict[str, Any], str]] = []
+    response_format = _parse_response_format(body.get("response_format"))
     if response_format is not None:
-        if not isinstance(response_format, dict):
-            raise _type_error("response_format", "an object", response_format)
-        kind = response_format.get("type")
-        if kind != "text":
+        found.append(response_format)
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise _type_error("structured_outputs", "an object", outputs)
+        if outputs.get("structural_tag") is not None:
             raise ApiError(
                 400,
-                f"guided decoding (response_format of type {kind!r}) is not supported; "
-                "only 'text' is",
-                param="response_format",
+                "structured_outputs.structural_tag is not supported",
+                param="structured_outputs",
             )
-    for name in _GUIDED_DECODING_EXTRAS:
+        fields: dict[str, Any] = {}
+        for key in _STRUCTURED_KEYS:
+            if outputs.get(key) not in (None, False):
+                fields.update(_structured_value(f"structured_outputs.{key}", key, outputs[key]))
+        found.append((fields, "structured_outputs"))
+    for name, kind in _GUIDED_FIELDS.items():
         if body.get(name) is not None:
-            raise ApiError(400, f"guided decoding ({name}) is not supported", param=name)
-    if not chat:
-        return
-    for name in ("tools", "functions"):
-        value = body.get(name)
-        if value is not None and not isinstance(value, list):
-            raise _type_error(name, "an array", value)
-        if value:
-            raise ApiError(
-                400, f"tool calling is not supported ('{name}' must be empty)", param=name
-            )
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise ApiError(
-                400, f"tool calling is not supported ('{name}' may only be \"none\")", param=name
-            )
+            found.append((_structured_value(name, kind, body[name]), name))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for _, name in found)
+        raise ApiError(
+            400, f"ask for one kind of structured output at a time, got {names}", param=found[1][1]
+        )
+    fields, name = found[0]
+    try:
+        return StructuredOutputs(**fields), name
+    except ParamError as e:
+        raise ApiError(400, f"{name}: {e}", param=name) from None
 
 
-def _parse_messages(body: dict) -> tuple[dict[str, str], ...]:
+def _parse_messages(body: dict) -> tuple[dict[str, Any], ...]:
     """Chat messages as ``{"role": str, "content": str}``; content parts of type text are joined."""
     value = body.get("messages", _MISSING)
     if value is _MISSING:
@@ -367,8 +438,38 @@ def _parse_messages(body: dict) -> tuple[dict[str, str], ...]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise _type_error(f"{name}.content", "a string or an array of text parts", content)
-        out.append({"role": role, "content": content})
+        entry: dict[str, Any] = {"role": role, "content": content}
+        for key in ("tool_call_id", "name"):  # a tool result's call id; a participant's name
+            if message.get(key) is not None:
+                if not isinstance(message[key], str):
+                    raise _type_error(f"{name}.{key}", "a string", message[key])
+                entry[key] = message[key]
+        if message.get("tool_calls"):
+            entry["tool_calls"] = _parse_tool_calls(message["tool_calls"], f"{name}.tool_calls")
+        out.append(entry)
     return tuple(out)
+
+
+def _parse_tool_calls(value: Any, name: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: ``[{"id", "type", "function": {"name", "arguments"}}]``."""
+    if not isinstance(value, list):
+        raise _type_error(name, "an array of tool calls", value)
+    calls = []
+    for i, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _type_error(f"{name}[{i}]", "a tool call with a function name", call)
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise _type_error(f"{name}[{i}].function.arguments", "a JSON string", args)
+        calls.append(
+            {
+                "id": call.get("id") if isinstance(call.get("id"), str) else f"call_{i}",
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
+    return calls
 
 
 # --- endpoints ----------------------------------------------------------------------------------
@@ -388,15 +489,17 @@ def parse_prompts(value: Any) -> tuple[Prompt, ...]:
     raise _type_error("prompt", "a string, an array of token ids, or an array of either", value)
 
 
-def parse_completion_request(body: dict) -> CompletionRequest:
-    """Parse a ``/v1/completions`` body."""
+def parse_completion_request(
+    body: dict, defaults: dict[str, Any] | None = None
+) -> CompletionRequest:
+    """Parse a ``/v1/completions`` body (``defaults``: see :func:`parse_sampling`)."""
     if "prompt" not in body:
         raise ApiError(422, "field 'prompt' is required", param="prompt")
     stream, stream_options = _parse_stream(body)
     echo, logprobs = _opt_bool(body, "echo", False), _opt_int(body, "logprobs")
     if _opt_str(body, "suffix"):
         raise ApiError(400, "suffix is not supported", param="suffix")
-    _refuse_unsupported(body, chat=False)
+    structured = _checked_structured(body)
     return CompletionRequest(
         model=_opt_str(body, "model"),
         prompts=parse_prompts(body["prompt"]),
@@ -404,15 +507,32 @@ def parse_completion_request(body: dict) -> CompletionRequest:
         stream_options=stream_options,
         echo=echo,
         sampling=parse_sampling(
-            body, logprobs=logprobs, prompt_logprobs=logprobs if echo else None
+            body,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
+            structured=structured,
+            defaults=defaults,
         ),
     )
 
 
-def parse_chat_request(body: dict) -> ChatRequest:
+def parse_chat_request(body: dict, defaults: dict[str, Any] | None = None) -> ChatRequest:
     """Parse a ``/v1/chat/completions`` body (``max_completion_tokens`` is the newer name of ``max_tokens``)."""
     stream, stream_options = _parse_stream(body)
-    _refuse_unsupported(body, chat=True)
+    structured = _checked_structured(body)
+    tools = parse_tools(body)
+    if tools is not None and (forced := tools.structured()) is not None:
+        if structured is not None:
+            raise ApiError(
+                400,
+                f"tool_choice {tools.choice!r} is enforced with a grammar; it cannot be combined "
+                "with structured outputs",
+                param="tool_choice",
+            )
+        structured = forced
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _type_error("chat_template_kwargs", "an object", kwargs)
     return ChatRequest(
         model=_opt_str(body, "model"),
         messages=_parse_messages(body),
@@ -424,8 +544,26 @@ def parse_chat_request(body: dict) -> ChatRequest:
             max_tokens_names=("max_completion_tokens", "max_tokens"),
             logprobs=_chat_logprobs(body),
             aliases={"logprobs": "top_logprobs"},
+            structured=structured,
+            defaults=defaults,
         ),
+        tools=tools,
+        chat_template_kwargs=kwargs,
     )
+
+
+def _checked_structured(body: dict) -> StructuredOutputs | None:
+    """The body's structured outputs, compiled once here so that a bad schema, regex or grammar is a
+    400 naming its field before the request reaches the engine."""
+    found = parse_structured(body)
+    if found is None:
+        return None
+    spec, name = found
+    try:
+        check(spec, param=name)
+    except GrammarError as e:
+        raise ApiError(400, f"{name}: {e}", param=e.param) from None
+    return spec
 
 
 def parse_tokenize_request(body: dict) -> TokenizeRequest:
@@ -443,3 +581,29 @@ def parse_tokenize_request(body: dict) -> TokenizeRequest:
         add_special_tokens=_opt_bool(body, "add_special_tokens", has_prompt),
         add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
     )
+
+
+# generation_config.json's names of the sampling fields a served model may set defaults for
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_config_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """The request defaults a ``generation_config.json`` sets (vLLM's ``--generation-config auto``);
+    ValueError naming the field for a value no request could take."""
+    defaults = {
+        ours: config[theirs]
+        for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+        if config.get(theirs) is not None
+    }
+    try:
+        SamplingParams(**defaults)
+    except (ParamError, TypeError) as e:
+        raise ValueError(f"generation config: {e}") from None
+    return defaults

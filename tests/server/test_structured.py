@@ -1,0 +1,207 @@
+"""Structured outputs and grammar-enforced tool choices against a live ``plaserve serve`` with the
+official ``openai`` client. The tiny checkpoint has random weights: left alone it writes gibberish, so
+every answer that parses and validates shows the masks at work.
+
+The server runs with the tool-calling flags (``--enable-auto-tool-choice --tool-call-parser hermes``)
+and ``--chat-template`` pointing at Qwen2.5's published template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+TEMPLATE = os.path.join(os.path.dirname(__file__), "templates", "qwen2_5.jinja")
+SERVER_ARGS = [
+    "--dtype",
+    "float32",  # no torch.compile at start-up: the server starts in seconds
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--chat-template",
+    TEMPLATE,
+]
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "tags"],
+}
+CLOSED = PERSON | {"additionalProperties": False}  # what strict mode makes of PERSON
+MESSAGES = [{"role": "user", "content": "Describe someone."}]
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _token_id(server, text: str) -> int:
+    """The id of ``text``, a single token of the model's tokenizer."""
+    body = {"prompt": text, "add_special_tokens": False}
+    ids = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+    assert len(ids) == 1
+    return ids[0]
+
+
+def _chat(client: openai.OpenAI, stream: bool = False, **kw) -> list[tuple[str, str | None]]:
+    """``(text, finish_reason)`` of each choice, streamed or not."""
+    kw = {"model": _model(client), "messages": MESSAGES, "max_tokens": 300, "seed": 3} | kw
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return [(c.message.content, c.finish_reason) for c in r.choices]
+    out: dict[int, list] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            entry = out.setdefault(c.index, ["", None])
+            entry[0] += c.delta.content or ""
+            entry[1] = c.finish_reason or entry[1]
+    return [tuple(out[i]) for i in sorted(out)]
+
+
+def _complete(client: openai.OpenAI, stream: bool = False, **kw) -> list[tuple[str, str | None]]:
+    kw = {"model": _model(client), "prompt": "Hello", "max_tokens": 300, "seed": 5} | kw
+    if not stream:
+        r = client.completions.create(**kw)
+        return [(c.text, c.finish_reason) for c in r.choices]
+    out: dict[int, list] = {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            entry = out.setdefault(c.index, ["", None])
+            entry[0] += c.text
+            entry[1] = c.finish_reason or entry[1]
+    return [tuple(out[i]) for i in sorted(out)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_json_schema_and_json_object_on_chat(server, client: openai.OpenAI, stream: bool) -> None:
+    strict = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    answers = _chat(client, stream, response_format=strict, n=2, temperature=1.0)
+    answers += _chat(client, stream, extra_body={"guided_json": CLOSED}, temperature=0.8)
+    answers += _chat(client, stream, extra_body={"structured_outputs": {"json": CLOSED}})
+    assert len(answers) == 4
+    for text, reason in answers:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    # strict: no property beyond the declared ones (the schema does not forbid them itself)
+    assert all(set(json.loads(t)) == set(PERSON["properties"]) for t, _ in answers[:2])
+    # Any object: random weights would write one string forever, so the bias favours the tokens
+    # that close strings and objects wherever the grammar allows them (the mask comes after it).
+    closing = {str(_token_id(server, c)): 8 for c in '"}'}
+    answers = _chat(client, stream, response_format={"type": "json_object"}, logit_bias=closing)
+    for text, reason in answers:
+        assert reason == "stop" and isinstance(json.loads(text), dict), text
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_regex_choice_and_grammar_on_completions(client: openai.OpenAI, stream: bool) -> None:
+    regex = r"[A-Z][a-z]{2,5}-[0-9]{3}"
+    for text, reason in _complete(client, stream, extra_body={"guided_regex": regex}, n=3):
+        assert reason == "stop" and re.fullmatch(regex, text), text
+    choices = ["red", "green", "blue"]
+    answers = _complete(client, stream, extra_body={"guided_choice": choices}, n=4, temperature=1.0)
+    assert all(reason == "stop" and text in choices for text, reason in answers)
+    gbnf = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c] | "x" [0-9]'
+    lark = 'start: "(" item ("," item)* ")"\nitem: /[a-c]/ | "x" /[0-9]/'
+    for grammar in (gbnf, lark):
+        for text, reason in _complete(client, stream, extra_body={"guided_grammar": grammar}):
+            assert reason == "stop" and re.fullmatch(
+                r"\((?:[a-c]|x[0-9])(?:,(?:[a-c]|x[0-9]))*\)", text
+            ), text
+    # and the chat endpoint takes the same fields
+    answers = _chat(client, stream, extra_body={"structured_outputs": {"choice": choices}})
+    assert answers[0][0] in choices
+
+
+def test_unconstrained_requests_are_untouched(client: openai.OpenAI) -> None:
+    """A request without a grammar answers the same with and without constrained company."""
+    import concurrent.futures
+
+    plain = dict(prompt="Once", max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})
+    alone = client.completions.create(model=_model(client), **plain).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        constrained = [
+            pool.submit(_complete, client, extra_body={"guided_json": CLOSED}) for _ in range(3)
+        ]
+        mixed = pool.submit(client.completions.create, model=_model(client), **plain)
+        assert mixed.result().choices[0].text == alone
+        for f in constrained:
+            jsonschema.validate(json.loads(f.result()[0][0]), PERSON)
+
+
+def test_required_and_named_tool_choice_are_enforced(client: openai.OpenAI) -> None:
+    from .test_tools import SCHEMAS, TOOLS, _check_calls, _streamed_calls
+
+    model = _model(client)
+    msgs = [{"role": "user", "content": "What time is it?"}]
+    kw = dict(model=model, messages=msgs, tools=TOOLS, max_tokens=300, seed=1)
+    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    assert call.name in SCHEMAS
+    _check_calls([(call.name, call.arguments)], [call.name])
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(tool_choice=named, n=2, **kw)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop" and choice.message.content is None
+        call = choice.message.tool_calls[0].function
+        _check_calls([(call.name, call.arguments)], ["get_time"])
+    chunks = list(client.chat.completions.create(tool_choice=named, stream=True, **kw))
+    content, calls, reason = _streamed_calls(chunks)
+    # the arguments stream as they come: several deltas, the first with the id and the name
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert len(deltas) > 1 and deltas[0].id and deltas[0].function.name == "get_time"
+    assert reason == "stop" and content == ""
+    _check_calls([(c["name"], c["arguments"]) for c in calls], ["get_time"])
+
+    # auto (the default with tools) on this server: the parser finds no call in gibberish
+    r = client.chat.completions.create(**(kw | {"max_tokens": 8}))
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
+
+
+def test_bad_schemas_and_tools_are_refused_naming_the_problem(client: openai.OpenAI) -> None:
+    from .test_tools import TOOLS
+
+    model = _model(client)
+    bad_fn = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]
+    bad_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minimum": "a"}}}
+    named = {"type": "function", "function": {"name": "nope"}}
+    cases = [
+        (dict(messages=MESSAGES, tools=bad_fn), "tools[0].function.parameters", "objekt"),
+        (dict(messages=MESSAGES, tools=TOOLS, tool_choice=named), "tool_choice", "'nope'"),
+        (dict(messages=MESSAGES, tools=[TOOLS[0], TOOLS[0]]), "tools", "two tools"),
+        (dict(messages=MESSAGES, response_format=bad_format), "response_format", "JSON schema"),
+        (
+            dict(
+                messages=MESSAGES,
+                tools=TOOLS,
+                tool_choice="required",
+                response_format={"type": "json_object"},
+            ),
+            "tool_choice",
+            "cannot be combined",
+        ),
+        (
+            dict(messages=MESSAGES, extra_body={"guided_json": "{not json"}),
+            "guided_json",
+            "not valid JSON",
+        ),
+    ]
+    for kw, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model, max_tokens=4, **kw)
+        assert info.value.param == param and message in info.value.message, info.value.message
