@@ -176,6 +176,15 @@ CASES = [
         {"messages": [{"role": "user", "content": "Say something long"}], "max_tokens": 10},
     ),
     ("/v1/completions", {"prompt": "A prompt with two choices", "max_tokens": 6, "n": 2}),
+    # The decode worker's grammar matcher must take the prefill's first token as its own.
+    (
+        "/v1/completions",
+        {
+            "prompt": "Answer with a number",
+            "max_tokens": 24,
+            "structured_outputs": {"regex": "(12|345|6789) apples"},
+        },
+    ),
 ]
 
 
@@ -186,6 +195,8 @@ def test_pd_outputs_equal_colocated(prefill: Endpoint, decode: Endpoint, stream:
         ref = texts(path, post(prefill.url, path, body).json())
         got = through_pd(prefill.url, decode.url, path, body, stream)
         assert got == ref, (path, body.get("n"), got, ref)
+        if "structured_outputs" in body:
+            assert got[0] in ("12 apples", "345 apples", "6789 apples"), got
     wait_blocks_zero(prefill.url)
     wait_blocks_zero(decode.url)
 

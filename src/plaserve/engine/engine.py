@@ -240,6 +240,36 @@ class LLMEngine:
         return num_blocks
 
     # --- requests ------------------------------------------------------------------------------
+    def new_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        arrival_time: float,
+        prompt: str | None = None,
+    ) -> Request:
+        """A request of this engine, not yet queued: its detokenizer, stop tokens, grammar matcher
+        (a GrammarError, a ValueError, refuses it) and random generator. For :meth:`add_request` and
+        for requests whose prompt's KV came from elsewhere (engine/kv_transfer.py)."""
+        req = Request(
+            token_ids,
+            params,
+            request_id=request_id,
+            prompt=prompt,
+            arrival_time=arrival_time,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            eos_token_ids=tuple(self.model_config.eos_token_ids),
+        )
+        if params.structured is not None:
+            req.grammar = self.grammars.matcher(params.structured)
+        if not params.greedy:
+            req.generator = (
+                torch.Generator(self.device).manual_seed(params.seed)
+                if params.seed is not None
+                else self.generator
+            )
+        return req
+
     def add_request(
         self,
         prompt: str | list[int],
@@ -263,23 +293,13 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(
+        req = self.new_request(
             token_ids,
             params,
-            request_id=request_id,
-            prompt=text,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
-            eos_token_ids=tuple(self.model_config.eos_token_ids),
+            request_id,
+            self.clock() if arrival_time is None else arrival_time,
+            text,
         )
-        if params.structured is not None:  # a GrammarError (a ValueError) refuses the request
-            req.grammar = self.grammars.matcher(params.structured)
-        if not params.greedy:
-            req.generator = (
-                torch.Generator(self.device).manual_seed(params.seed)
-                if params.seed is not None
-                else self.generator
-            )
         self.requests[req.request_id] = req
         leader = self.requests.get(after) if after is not None else None
         if (

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plaserve.model.tokenizer import IncrementalDetokenizer
 from plaserve.request import Request, RequestStatus, SamplingParams
 
 if TYPE_CHECKING:
@@ -259,20 +258,8 @@ class KVHandoff:
                         k[copy].copy_(k[table[-1]])
                         v[copy].copy_(v[table[-1]])
                     blocks = blocks + [copy]
-            req = Request(
-                res.token_ids,
-                params,
-                request_id=rid,
-                arrival_time=arrival_time,
-                detokenizer=IncrementalDetokenizer(eng.tokenizer, params.skip_special_tokens),
-                eos_token_ids=tuple(eng.model_config.eos_token_ids),
-            )
-            if not params.greedy:
-                req.generator = (
-                    torch.Generator(eng.device).manual_seed(params.seed)
-                    if params.seed is not None
-                    else eng.generator
-                )
+            # With its grammar matcher, which the first token below advances as any sampled token.
+            req = eng.new_request(list(res.token_ids), params, rid, arrival_time)
             req.block_table = list(blocks)
             req.num_computed_tokens = n
             req.num_committed_blocks = num_full
