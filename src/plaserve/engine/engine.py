@@ -14,6 +14,7 @@ from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_pea
 from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
+from plaserve.engine.omp_spin import throttle_spin_waits
 from plaserve.engine.runner import ModelRunner
 from plaserve.kv_blocks import BlockAllocator
 from plaserve.model.default import DEFAULT_CONFIG
@@ -141,6 +142,7 @@ class LLMEngine:
             assert loaded is not None
             if self.device.type == "cpu":
                 keep_freed_memory()  # activations reuse freed memory instead of page-faulting in anew
+                throttle_spin_waits()  # OpenMP threads sleep instead of spinning for ms at a time
             cfg = self.model_config
             kv_caches = allocate_kv_tensors(
                 cfg.num_hidden_layers,
