@@ -37,6 +37,16 @@ _parked: threading.Thread | None = None
 _lock = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    # A forked child has no copy of the parked thread (nor of its team): it parks its own if it builds
+    # an engine.
+    global _parked
+    _parked = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _own_a_team(ready: threading.Event) -> None:
     # Large enough for at::parallel_for to split it across every thread (its grain is 32,768
     # elements): the team that runs it is this thread's, and stays with it while the thread lives.
