@@ -5,6 +5,8 @@ For each tree (``--trees name=path/to/src,...``) a child process measures, in on
 * the matmul peak (2048^3, best of 8) and the prefill FLOP rate at L = 2048 as a fraction of the
   highest peak any tree measured;
 * prefill tokens/s at each L (our bare forward plus the sampled row's logits, best of N);
+* the L = 2048 prompt through an ``LLMEngine`` that cuts it into 512-token chunks (fcfs with a 512-token
+  step budget), each chunk attending to its cached prefix, as pla prefills a long prompt (best of N);
 * decode tokens/s at each batch size: ``B`` requests of 128-token prompts through an ``LLMEngine``
   (fcfs, every prompt in the first step), from the fastest of the ~20 steps that decode the whole batch.
 
@@ -38,6 +40,9 @@ from typing import Any, Callable
 LENGTHS = (128, 1024, 2048, 4096)
 BATCHES = (1, 16, 64)
 FLOP_LENGTH = 2048
+CHUNK = (
+    512  # pla's long_chunk_size: the chunked-prefill figure cuts the FLOP_LENGTH prompt into these
+)
 # A random model with Qwen2.5-0.5B's layer shapes (its 151,936-token vocabulary, tied embeddings).
 QWEN05_SHAPE = dict(
     architecture="Qwen2ForCausalLM",
@@ -141,6 +146,32 @@ def measure(
         )
         log(f"  prefill L={n}: {n / out['prefill_s'][n]:,.0f} tok/s")
     out["flops_2048"] = bench.prefill_flops(cfg, FLOP_LENGTH)
+    if FLOP_LENGTH in lengths:
+        # The same prompt through an engine that cuts it into CHUNK-token steps, each after its cached
+        # prefix (as pla chunks a long prompt): scheduling, packing and the last step's sampling included.
+        chunker = LLMEngine(
+            EngineConfig.from_kwargs(
+                dtype=dtype_name,
+                kv_cache_memory="512MiB",
+                max_model_len=4096,
+                policy="fcfs",
+                max_num_batched_tokens=CHUNK,
+                enable_prefix_caching=False,
+            ),
+            loaded=loaded,
+        )
+        ids = torch.randint(0, min(500, cfg.vocab_size), (FLOP_LENGTH,), generator=gen).tolist()
+
+        def chunked() -> None:
+            chunker.add_request(ids, SamplingParams(max_tokens=1, temperature=0))
+            while chunker.has_unfinished():
+                chunker.step()
+
+        out["chunked_s"] = best_of(chunked, reps)
+        log(
+            f"  prefill L={FLOP_LENGTH} in {CHUNK}-token chunks: {FLOP_LENGTH / out['chunked_s']:,.0f} tok/s"
+        )
+        del chunker
     for batch in batches:
         eng = engine(batch)
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -208,6 +239,7 @@ def merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "flops_2048": first["flops_2048"],
         "peak_flop_s": max(r["peak_flop_s"] for r in runs),
         "prefill_s": {n: min(r["prefill_s"][n] for r in runs) for n in first["prefill_s"]},
+        **({"chunked_s": min(r["chunked_s"] for r in runs)} if "chunked_s" in first else {}),
         "decode_tok_s": {b: max(r["decode_tok_s"][b] for r in runs) for b in first["decode_tok_s"]},
     }
 
@@ -255,6 +287,12 @@ def format_table(
                 for t in names
             ],
             ".1f",
+        )
+    if all("chunked_s" in trees[t] for t in names):
+        row(
+            f"prefill tok/s, L = {FLOP_LENGTH} in {CHUNK}-token chunks (engine)",
+            [FLOP_LENGTH / trees[t]["chunked_s"] for t in names],
+            ",.0f",
         )
     for b in first["decode_tok_s"]:
         row(f"decode tok/s, batch {b}", [trees[t]["decode_tok_s"][b] for t in names], ",.0f")

@@ -17,8 +17,10 @@ process), warmed up, and measured with the load generator of ``plaserve bench``
   guess is (vLLM's burst wall time) / (0.75 x the slice's duration); then the trace is replayed on vLLM,
   its busy fraction *measured* (the share of the run's wall time during which at least one request was
   in flight, from the client's timestamps) and the scale corrected (:func:`next_time_scale`) until it
-  lands in 70-80 % (at most ``calibration_tries`` replays). plaserve replays the replay closest to 75 %,
-  same arrivals, same prompts.
+  lands in 70-80 % (at most ``calibration_tries`` replays). Each replay draws new prompts: with the
+  same ones, vLLM's prefix cache would serve the second and later replays' prompts (all but the last
+  partial block of each), as it did before 2026-12-01 22:10. plaserve replays the replay closest to 75 %,
+  same arrivals, same prompts (new to it).
 
 Defaults: the Azure conversation trace, rows 840-899, lengths x 1/4 (at 1/16, as in the issue's first
 measurement, no prompt reaches 512 tokens and the long class is empty), outputs <= 32 tokens.
@@ -387,6 +389,9 @@ def start_server(
 
 
 # --- measurements --------------------------------------------------------------------------------
+TRACE_SEED = 5000  # prompts of the first trace replay; later calibration replays count up from it
+
+
 def replay(url: str, requests: list[TraceRequest], seed: int) -> Any:
     """Run ``requests`` through the shared client (``seed`` picks the prompts); raise on any error."""
     cfg = ClientConfig(url=url, short_threshold=SHORT_THRESHOLD, seed=seed)
@@ -469,9 +474,13 @@ def run_system(
     slice_: list[TraceRequest],
     time_scale: float | None,
     calibrate: bool,
+    trace_seed: int = TRACE_SEED,
 ) -> dict[str, Any]:
     """Every measurement of one running server. With ``calibrate``, the trace's time scale is searched
-    for (see the module docstring); otherwise ``time_scale`` is used (None: derived from this burst)."""
+    for (see the module docstring); otherwise ``time_scale`` is used (None: derived from this burst).
+    Each calibration replay draws new prompts (seed ``trace_seed`` + attempt): replaying the same ones
+    again would hit the server's prefix cache. Without ``calibrate`` the trace replays with
+    ``trace_seed``, the prompts of the calibrated replay, which this server has not seen."""
     url, out = proc.url, {"loadavg_start": os.getloadavg()}
     t0 = time.perf_counter()
     log("  warm-up ...")
@@ -487,8 +496,9 @@ def run_system(
     tries = sizes.calibration_tries if calibrate else 1
     out["calibration"] = []
     for attempt in range(tries):
-        trace = trace_summary(replay(url, scale_requests(slice_, time_scale=time_scale), 5000))
-        trace["time_scale"] = time_scale
+        seed = trace_seed + attempt
+        trace = trace_summary(replay(url, scale_requests(slice_, time_scale=time_scale), seed))
+        trace["time_scale"], trace["seed"] = time_scale, seed
         out["calibration"].append(trace)
         log(
             f"  trace x{time_scale:.4f}: busy {trace['busy']:.0%}, TTFT short p50 {trace['short_p50_ms']:.0f} ms"
@@ -581,7 +591,7 @@ def run_benchmark(
                 "systems": {},
             }
             results["runs"].setdefault(model, {})[dtype] = block
-            scale = time_scale
+            scale, seed = time_scale, TRACE_SEED
             for system in systems:
                 measure_peaks(sizes, [dtype], peak_runs)
                 log(
@@ -599,6 +609,7 @@ def run_benchmark(
                         slice_,
                         scale,
                         calibrate=system == systems[0] and time_scale is None,
+                        trace_seed=seed,
                     )
                 except RuntimeError as e:
                     log(f"{model} {dtype} {system} FAILED: {e}")
@@ -607,7 +618,8 @@ def run_benchmark(
                 finally:
                     if proc is not None:
                         proc.stop()
-                scale = r["trace"]["time_scale"]  # later systems replay the calibrated trace
+                # Later systems replay the calibrated trace: its arrivals and its prompts.
+                scale, seed = r["trace"]["time_scale"], r["trace"]["seed"]
                 block["systems"][system] = r
                 block.setdefault("calibrated_on", system)
     measure_peaks(sizes, dtypes, peak_runs)

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -53,17 +52,7 @@ def engine_args(dtype: str) -> dict:
 
 
 def offline(engine: LLMEngine, case: Case) -> float:
-    """Wall seconds to run ``case`` to completion in ``engine``, stepped on a thread of its own as the
-    server steps its engine: stepped from the main thread, the same engine ran decode 10-20x slower
-    on this machine (2026-12-01, cause not found yet), which would hide what HTTP costs."""
-    result: list[float] = []
-    worker = threading.Thread(target=lambda: result.append(_offline(engine, case)))
-    worker.start()
-    worker.join()
-    return result[0]
-
-
-def _offline(engine: LLMEngine, case: Case) -> float:
+    """Wall seconds to run ``case`` to completion in ``engine``, stepped from this thread."""
     params = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
     for p in case.prompts:

@@ -16,7 +16,7 @@ from plaserve.workload.trace import TraceRequest, fit_to_context, synthetic_bimo
 
 @pytest.fixture(scope="module")
 def server(qwen2_ckpt: str) -> Iterator[ServerProcess]:
-    with ServerProcess([qwen2_ckpt, "--kv-cache-memory", "64MiB"]) as proc:
+    with ServerProcess([qwen2_ckpt, "--kv-cache-memory", "64MiB", "--no-compile"]) as proc:
         yield proc
 
 

@@ -37,6 +37,7 @@ def test_one_round_has_every_row(load_benchmark, tmp_path: Path, capsys) -> None
         "| figure | a | b | b / a |",
         "prefill tok/s, L = 16",
         "% of the highest peak",
+        "L = 2048 in 512-token chunks (engine)",
         "decode tok/s, batch 2",
         "CPU time of the process, 1 thread",
     ):

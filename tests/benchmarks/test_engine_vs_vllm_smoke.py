@@ -50,6 +50,11 @@ def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path) -> None:
         block["systems"]["pla"]["trace"]["time_scale"]
         == block["systems"]["fcfs"]["trace"]["time_scale"]
     )
+    # Every calibration replay has prompts of its own (the same ones again would hit the prefix cache);
+    # the later systems replay the reported one's.
+    calibration = block["systems"]["fcfs"]["calibration"]
+    assert len({t["seed"] for t in calibration}) == len(calibration)
+    assert block["systems"]["pla"]["trace"]["seed"] == block["systems"]["fcfs"]["trace"]["seed"]
     assert results["peak_flop_s"]["bfloat16"]["used"] > 0
 
     report = bench.format_report(results, "cmd")

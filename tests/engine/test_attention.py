@@ -1,11 +1,14 @@
-"""Paged decode attention: grouping by context length and the GQA layout change nothing."""
+"""Paged attention: decode grouping by context length and the GQA layout change nothing, and a prompt
+computed in chunks, each after its cached prefix, gives the attention outputs of the whole prompt at once
+(float32 and bfloat16), with a chunk's prefix mask, made by the first layer, serving every layer."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from plaserve.model.attention import AttentionMetadata, attention
+from plaserve.model.attention import AttentionMetadata, PrefillSeq, attention
 
 BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 64, 4, 8, 2, 16
 
@@ -51,3 +54,34 @@ def test_grouped_decode_equals_each_request_alone():
         want = reference(q[i], kc, vc, table, n)
         for out in outs:
             torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+
+
+def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM, dtype=dtype),
+        torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype):
+    gen = torch.Generator().manual_seed(0)
+    n, cuts = 100, [0, 37, 64, 100]  # chunks that start mid-block and on a block boundary
+    q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
+    k = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+    v = torch.randn(n, KV_HEADS, DIM, generator=gen).to(dtype)
+    # Blocks out of order, as the allocator hands them out (never the null block 0); two layers' caches.
+    table = torch.randperm(BLOCKS - 1, generator=gen)[: -(-n // BLOCK)] + 1
+    slots = table[torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK
+    whole_meta = AttentionMetadata(slot_mapping=slots, prefill=[PrefillSeq(0, n, 0, None)])
+    whole = attention(q, k, v, _cache(dtype), whole_meta, DIM**-0.5)
+
+    layers = [_cache(dtype), _cache(dtype)]
+    for a, b in zip(cuts, cuts[1:]):
+        seq = PrefillSeq(0, b - a, a, table if a else None)
+        meta = AttentionMetadata(slot_mapping=slots[a:b], prefill=[seq])
+        outs = [attention(q[a:b], k[a:b], v[a:b], cache, meta, DIM**-0.5) for cache in layers]
+        assert a == 0 or seq._mask is not None  # made once, by the first layer
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for out in outs:
+            torch.testing.assert_close(out, whole[a:b], atol=tol, rtol=tol)

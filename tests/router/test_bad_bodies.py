@@ -15,7 +15,7 @@ from ..server.test_faults import REGRESSIONS, assert_openai_error
 def router(qwen2_ckpt: str):
     with (
         ServerProcess(
-            [qwen2_ckpt, "--kv-cache-memory", "16MiB", "--max-model-len", "256"]
+            [qwen2_ckpt, "--kv-cache-memory", "16MiB", "--max-model-len", "256", "--no-compile"]
         ) as worker,
         RouterProcess([worker.url]) as proc,
     ):

@@ -37,6 +37,7 @@ def test_cluster_starts_workers_routes_and_stops_everything(qwen2_ckpt):
                 qwen2_ckpt,
                 "--kv-cache-memory",
                 "32MiB",
+                "--worker-args=--no-compile",
                 "--port",
                 str(port),
             ],

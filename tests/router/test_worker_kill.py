@@ -21,7 +21,15 @@ from .test_failover import outcome
 from .test_proxy import metric
 
 PROMPT = [3 + i % 200 for i in range(1500)]  # token ids inside the tiny checkpoint's vocabulary
-WORKER_ARGS = ["--kv-cache-memory", "32MiB", "--max-model-len", "2048", "--policy", "fcfs"]
+WORKER_ARGS = [
+    "--kv-cache-memory",
+    "32MiB",
+    "--max-model-len",
+    "2048",
+    "--policy",
+    "fcfs",
+    "--no-compile",
+]
 
 
 def test_a_killed_plaserve_worker_loses_no_request(qwen2_ckpt: str) -> None:

@@ -12,7 +12,9 @@ import pytest
 
 from plaserve.launcher import ServerProcess
 
-BASE_ARGS = ["--kv-cache-memory", "64MiB"]
+# --no-compile: torch.compile's start-up (seconds a process, more on a busy machine) is tested with
+# the engine (tests/model, tests/engine); the server's tests need a server, soon.
+BASE_ARGS = ["--kv-cache-memory", "64MiB", "--no-compile"]
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ def server(qwen2_ckpt: str) -> Iterator[ServerProcess]:
         str(TIMEOUT),
         "--max-body-size",
         "64KiB",
+        "--no-compile",
     ]
     with ServerProcess(args) as proc:
         yield proc

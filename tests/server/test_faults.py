@@ -53,7 +53,14 @@ class KeepAliveClient:
 @pytest.fixture(scope="module")
 def server(qwen2_ckpt: str) -> Iterator[ServerProcess]:
     with ServerProcess(
-        [qwen2_ckpt, "--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN)]
+        [
+            qwen2_ckpt,
+            "--kv-cache-memory",
+            "32MiB",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--no-compile",
+        ]
     ) as proc:
         yield proc
 

@@ -15,6 +15,7 @@ from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
 from plaserve.engine.kv_transfer import KVHandoff
+from plaserve.engine.omp_spin import throttle_spin_waits
 from plaserve.engine.runner import ModelRunner
 from plaserve.grammar.compile import GrammarError
 from plaserve.grammar.matcher import Grammars
@@ -150,6 +151,7 @@ class LLMEngine:
             assert loaded is not None
             if self.device.type == "cpu":
                 keep_freed_memory()  # activations reuse freed memory instead of page-faulting in anew
+                throttle_spin_waits()  # OpenMP threads sleep instead of spinning for ms at a time
             cfg = self.model_config
             kv_caches = allocate_kv_tensors(
                 cfg.num_hidden_layers,
