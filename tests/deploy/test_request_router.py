@@ -16,6 +16,7 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # no
 from ray.serve.request_router import PendingRequest, ReplicaID  # noqa: E402
 
 from plaserve.deploy import notices  # noqa: E402
+from plaserve.deploy.app import RayServeOptions  # noqa: E402
 from plaserve.deploy.ingress import OpenAIIngress  # noqa: E402
 from plaserve.deploy.metrics import deploy_metrics  # noqa: E402
 from plaserve.deploy.request_router import PlaRequestRouter  # noqa: E402
@@ -177,6 +178,8 @@ def test_a_trusted_gateways_hint_prices_the_request_the_router_places() -> None:
         assert metric("plaserve_ray_length_hints_total", outcome="untrusted") == untrusted + 1
         with pytest.raises(HintError, match=HEADER):
             await ingress.price(route, body, {HEADER: "1200,1"}, "10.0.0.5")
+        with pytest.raises(ValueError, match="not a CIDR"):  # refused before Ray starts anything
+            RayServeOptions(trust_length_hints_from="10.0.0.0/33")
 
         # The request router prices the call by the hint's 1,200 tokens, not the body's 8 bytes.
         r, reps = router(), [replica("a"), replica("b")]
