@@ -16,7 +16,14 @@ import pytest
 
 from plaserve.launcher import RouterProcess, ServerProcess
 from plaserve.router.cli import add_route_arguments, router_config_from_args
-from plaserve.router.hints import HEADER, HintCheck, HintError, LengthHints, usage_prompt_tokens
+from plaserve.router.hints import (
+    HEADER,
+    HintCheck,
+    HintError,
+    LengthHints,
+    forwarded,
+    usage_prompt_tokens,
+)
 
 from .test_proxy import metric
 
@@ -58,6 +65,10 @@ def test_a_hint_is_one_count_per_prompt() -> None:
             hints.read({HEADER: bad}, peer, two if bad == "7" else one, chat=False)
     # An untrusted peer's garbage is ignored, not refused: it is not the router's to judge.
     assert hints.read({HEADER: "garbage"}, "11.0.0.1", one, chat=False) == ("untrusted", None)
+    # ... and not passed on, where a router behind this one may trust this one's address.
+    sent = {"X-Prompt-Tokens": "12", "Authorization": "Bearer k"}
+    assert forwarded(sent, used=False) == {"Authorization": "Bearer k"}
+    assert forwarded(sent, used=True) == sent
 
 
 def test_the_check_measures_against_the_answers_usage() -> None:

@@ -41,7 +41,7 @@ from plaserve.deploy.replica import ReplicaError
 from plaserve.model.tokenizer import load_tokenizer
 from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD
 from plaserve.router.forward import FirstTokenScanner, error_json, request_headers, sse_error
-from plaserve.router.hints import HintCheck, HintError, LengthHints
+from plaserve.router.hints import HintCheck, HintError, LengthHints, forwarded
 from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.pools import LONG, SHORT
 
@@ -104,7 +104,7 @@ class OpenAIIngress:
         except HintError as e:
             self.metrics.requests.labels(path, "400").inc()
             return _error(400, str(e))
-        headers = request_headers(dict(request.headers))
+        headers = forwarded(request_headers(dict(request.headers)), used=check is not None)
         arrival = time.monotonic()
         attempt_once = self._try_stream if body.get("stream") else self._try_whole
         last: BaseException | None = None

@@ -111,6 +111,14 @@ class LengthHints:
         return "used", tuple(int(p) for p in parts)
 
 
+def forwarded(headers: dict[str, str], used: bool) -> dict[str, str]:
+    """``headers`` to send on: an unused hint is dropped, so that a router or gateway behind this one
+    that trusts this one's address never takes an untrusted client's hint for this one's."""
+    if used:
+        return headers
+    return {k: v for k, v in headers.items() if k.lower() != HEADER}
+
+
 def relative_error(hint: int, actual: int) -> float:
     """``(hint - actual) / actual``, signed: positive when the hint overstates the prompt."""
     return (hint - actual) / max(actual, 1)

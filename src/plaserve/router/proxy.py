@@ -52,7 +52,7 @@ from plaserve.router.forward import (
 )
 from plaserve.router.health import WorkerMonitor
 from plaserve.router.hints import HEADER as HINT_HEADER
-from plaserve.router.hints import HintCheck, HintError, usage_prompt_tokens
+from plaserve.router.hints import HintCheck, HintError, forwarded, usage_prompt_tokens
 from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
 from plaserve.router.pd import DecodeTier, generate_pd
@@ -297,7 +297,7 @@ class Router:
         self.metrics.child(self.metrics.pricing.priced_tokens, est.method).inc(sum(est.tokens))
         check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
-        headers = request_headers(request.headers)
+        headers = forwarded(request_headers(request.headers), used=hint is not None)
         if self.decode_tier is not None:
             return await generate_pd(self, request, path, body, job, headers)
         stream = body.get("stream") is True
