@@ -299,7 +299,7 @@ class Router:
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
         headers = forwarded(request_headers(request.headers), used=hint is not None)
         if self.decode_tier is not None:
-            return await generate_pd(self, request, path, body, job, headers)
+            return await generate_pd(self, request, path, body, job, headers, check)
         stream = body.get("stream") is True
         tried: set[str] = set()
         failure: _Failure | None = None
