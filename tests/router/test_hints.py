@@ -76,10 +76,12 @@ def test_the_check_measures_against_the_answers_usage() -> None:
     check = HintCheck((30, 10), seen.append)
     check.feed(b'data: {"choices": [{"text": "a"}]}\n\n')
     check.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 5')  # split across chunks
-    check.feed(b'0, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
-    check.done()
-    check.done()  # once only
+    check.feed(b'0, "completion_tokens": 1}}\n\ndata: [DO')
+    assert seen == []
+    check.feed(b"NE]\n\n")  # measured at the end of the stream, before it is passed on
     assert seen == [pytest.approx(-0.2)]  # 40 stated, 50 prefilled
+    check.done()  # once only
+    assert len(seen) == 1
     assert usage_prompt_tokens(b'{"usage": {"prompt_tokens": 4}}') == 4
     assert usage_prompt_tokens(b"data: [DONE]\n\n") is None  # a stream without include_usage
 

@@ -162,8 +162,11 @@ class HintCheck:
         self._done = False
 
     def feed(self, chunk: bytes) -> None:
-        """A piece of the answer (the whole body, or a stream's chunk)."""
+        """A piece of a streamed answer. At its ``[DONE]`` the stream is measured, before that
+        chunk is passed on: a client that has read the end then sees the measurement."""
         self._tail = (self._tail + chunk)[-self.TAIL :]
+        if self._tail.rstrip().endswith(b"[DONE]"):
+            self.done()
 
     def actual(self, count: int | None) -> None:
         """The answer's ``usage.prompt_tokens`` (None: it had none)."""
@@ -172,7 +175,7 @@ class HintCheck:
             self._observe(relative_error(self.hint, count))
 
     def done(self) -> None:
-        """The answer is complete: measure it from what was fed."""
+        """The stream ended (with or without ``[DONE]``): measure it from what was fed."""
         self.actual(usage_prompt_tokens(self._tail))
 
 
