@@ -28,6 +28,7 @@ from ray import serve  # noqa: E402
 
 from plaserve.deploy.app import RayServeOptions, build_app  # noqa: E402
 from plaserve.launcher import free_port  # noqa: E402
+from plaserve.router.hints import HEADER  # noqa: E402
 
 from ..router.test_failover import outcome  # noqa: E402
 
@@ -58,7 +59,12 @@ def app_url(tmp_path_factory: pytest.TempPathFactory):
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        options = RayServeOptions(replicas=2, serve_args=args, routing_stats_period_s=0.25)
+        options = RayServeOptions(
+            replicas=2,
+            serve_args=args,
+            routing_stats_period_s=0.25,
+            trust_length_hints_from="127.0.0.1/32",  # the tests' clients are the gateway
+        )
         serve.run(build_app(options), name="plaserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -122,6 +128,44 @@ def test_streaming_completion_and_chat(client: openai.OpenAI) -> None:
     )
     deltas = [c.choices[0].delta for c in chat if c.choices]
     assert deltas[0].role == "assistant" and len(deltas) >= 4
+
+
+def test_a_gateways_length_hint_prices_the_request_through_ray(
+    app_url: str, client: openai.OpenAI
+) -> None:
+    def value(fams: dict, name: str, **labels: str) -> float:
+        return sum(
+            s.value
+            for s in fams[name].samples
+            if s.name in (name, name + "_total", name + "_count")
+            and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    model = client.models.list().data[0].id
+    before = families(app_url)
+    stream = client.completions.create(
+        model=model,
+        prompt=SHORT_PROMPT,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={HEADER: "1200"},
+    )
+    assert [c.usage.prompt_tokens for c in stream if c.usage][0] < 30
+    after = families(app_url)
+    grew = {
+        (name, *labels.values()): value(after, name, **labels) - value(before, name, **labels)
+        for name, labels in [
+            ("plaserve_ray_priced_prompt_tokens", {"method": "hint"}),
+            ("plaserve_ray_routed_requests", {"length_class": "long"}),  # the hint made it long
+            ("plaserve_ray_length_hint_relative_error", {}),  # measured from the stream's usage
+        ]
+    }
+    assert list(grew.values()) == [1200, 1, 1], grew
+    with pytest.raises(openai.BadRequestError, match=HEADER):
+        client.completions.create(
+            model=model, prompt=SHORT_PROMPT, max_tokens=2, extra_headers={HEADER: "many"}
+        )
 
 
 def test_routing_decisions_are_in_the_metrics(app_url: str) -> None:

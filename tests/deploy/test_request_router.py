@@ -16,8 +16,11 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # no
 from ray.serve.request_router import PendingRequest, ReplicaID  # noqa: E402
 
 from plaserve.deploy import notices  # noqa: E402
+from plaserve.deploy.app import RayServeOptions  # noqa: E402
+from plaserve.deploy.ingress import OpenAIIngress  # noqa: E402
 from plaserve.deploy.metrics import deploy_metrics  # noqa: E402
 from plaserve.deploy.request_router import PlaRequestRouter  # noqa: E402
+from plaserve.router.hints import HEADER, HintError  # noqa: E402
 
 DEPLOYMENT = DeploymentID(name="PlaserveWorker", app_name="test")
 COST = {"g1": 2e-4, "g2": 1e-7, "g3": 0.0, "c0": 0.015}  # 1,200 tokens: 0.33 s; 20 tokens: 0.019 s
@@ -158,6 +161,44 @@ def test_the_ingress_first_token_notice_takes_the_prefill_off_the_backlog() -> N
         assert w.num_inflight == 1  # still decoding: it leaves at completion
         r.on_request_completed(ranks[0][0].replica_id, req.metadata.internal_request_id)
         assert w.num_inflight == 0 and "job-1" not in r._by_job
+
+    asyncio.run(main())
+
+
+def test_a_trusted_gateways_hint_prices_the_request_the_router_places() -> None:
+    async def main() -> None:
+        ingress = OpenAIIngress(None, short_threshold=512, trust_length_hints_from="10.0.0.0/8")
+        body, route = {"prompt": "hi there", "max_tokens": 1}, "/v1/completions"
+        untrusted = metric("plaserve_ray_length_hints_total", outcome="untrusted")
+        errors = metric("plaserve_ray_length_hint_relative_error_count")
+        hinted, check = await ingress.price(route, body, {HEADER: "1200"}, "10.0.0.5")
+        plain, no_check = await ingress.price(route, body, {HEADER: "1200"}, "192.0.2.1")
+        assert (hinted["tokens"], hinted["length_class"]) == ([1200], "long")
+        assert plain["length_class"] == "short" and plain["tokens"][0] < 20 and no_check is None
+        assert metric("plaserve_ray_length_hints_total", outcome="untrusted") == untrusted + 1
+        with pytest.raises(HintError, match=HEADER):
+            await ingress.price(route, body, {HEADER: "1200,1"}, "10.0.0.5")
+        with pytest.raises(ValueError, match="not a CIDR"):  # refused before Ray starts anything
+            RayServeOptions(trust_length_hints_from="10.0.0.0/33")
+
+        # The request router prices the call by the hint's 1,200 tokens, not the body's 8 bytes.
+        r, reps = router(), [replica("a"), replica("b")]
+        req = PendingRequest(
+            args=[],
+            kwargs=hinted,
+            metadata=SimpleNamespace(internal_request_id=f"req-{next(_ids)}"),
+            created_at=time.time(),
+        )
+        ranks = await r.choose_replicas(reps, req)
+        r.on_request_routed(req, ranks[0][0].replica_id, None)
+        w = r.workers[ranks[0][0].replica_id]
+        assert r.policy.backlog(w, time.monotonic()) == pytest.approx(0.33, abs=0.01)
+        assert metric("plaserve_ray_routed_requests_total", replica=w.url, length_class="long")
+        check.actual(1000)  # the replica's usage.prompt_tokens: the hint was 20 % high
+        assert metric("plaserve_ray_length_hint_relative_error_count") == errors + 1
+        assert metric("plaserve_ray_length_hint_relative_error_bucket", le="0.25") == 1 + metric(
+            "plaserve_ray_length_hint_relative_error_bucket", le="0.1"
+        )
 
     asyncio.run(main())
 

@@ -26,6 +26,9 @@ import openai
 import pytest
 
 from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess
+from plaserve.router.hints import HEADER
+
+from .test_proxy import metric
 
 ARGS = ["--kv-cache-memory", "16MiB", "--max-model-len", "1024", "--no-compile"]
 TTL = 0.8  # seconds a parked prefill waits for its pull
@@ -43,7 +46,14 @@ class Endpoint:
     url: str
 
 
-ROUTER_ARGS = ["--health-check-interval-secs", "0.2", "--load-interval-ms", "100"]
+ROUTER_ARGS = [
+    "--health-check-interval-secs",
+    "0.2",
+    "--load-interval-ms",
+    "100",
+    "--trust-length-hints-from",
+    "127.0.0.1/32",  # only requests that carry x-prompt-tokens are affected
+]
 
 
 @pytest.fixture(scope="module")
@@ -329,6 +339,27 @@ def test_router_pd_equals_colocated_with_the_openai_client(
     assert len(with_logprobs.choices[0].logprobs.tokens) == 3
     wait_blocks_zero(prefill.url)
     wait_blocks_zero(decode.url)
+
+
+def test_a_length_hint_prices_a_pd_request_and_is_measured_on_the_prefill(
+    router: PlaserveProcess,
+) -> None:
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+    hint = 'plaserve_router_priced_prompt_tokens_total{method="hint"}'
+    before = httpx.get(router.url + "/metrics", timeout=10).text
+    out = client.completions.create(
+        model="qwen20", prompt=list(range(3, 23)), max_tokens=2, extra_headers={HEADER: "40"}
+    )
+    assert out.usage.prompt_tokens == 20
+    after = httpx.get(router.url + "/metrics", timeout=10).text
+    assert metric(after, hint) == metric(before, hint) + 40
+    # The hint said twice the prompt: +1.0, in the le="1.0" bucket and not the le="0.5" one.
+    error = "plaserve_router_length_hint_relative_error_bucket"
+    grew = {
+        le: metric(after, f'{error}{{le="{le}"}}') - metric(before, f'{error}{{le="{le}"}}')
+        for le in ("0.5", "1.0")
+    }
+    assert grew == {"0.5": 0, "1.0": 1}
 
 
 def test_client_gone_mid_stream_frees_blocks_on_both_sides(

@@ -28,6 +28,7 @@ from ray.serve.config import AutoscalingContext, RequestRouterConfig
 from plaserve.deploy.ingress import OpenAIIngress
 from plaserve.deploy.replica import PlaserveReplica
 from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD
+from plaserve.router.hints import LengthHints
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RayServeOptions:
     max_hold_s: float = 5.0
     short_threshold: int = DEFAULT_SHORT_THRESHOLD
     max_attempts: int = 3
+    # "CIDR[,CIDR...]" whose x-prompt-tokens headers price requests (router/hints.py); None: no one.
+    trust_length_hints_from: str | None = None
     # Autoscaling: off unless max_replicas > min_replicas (then `replicas` is the initial count).
     min_replicas: int | None = None
     max_replicas: int | None = None
@@ -61,6 +64,7 @@ class RayServeOptions:
             raise ValueError("need min_replicas <= replicas <= max_replicas")
         if self.target_backlog_s <= 0:
             raise ValueError("target_backlog_s must be positive")
+        LengthHints.from_spec(self.trust_length_hints_from)  # a bad CIDR fails here, not in Ray
 
     @property
     def autoscaling(self) -> bool:
@@ -157,6 +161,7 @@ def build_app(options: RayServeOptions) -> serve.Application:
         tokenizer=options.model,
         short_threshold=options.short_threshold,
         max_attempts=options.max_attempts,
+        trust_length_hints_from=options.trust_length_hints_from,
     )
 
 

@@ -57,6 +57,13 @@ def add_ray_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="longest a long request waits in the router for a replica to qualify (default 5 s)",
     )
     p.add_argument("--short-threshold", type=int, default=512, help="short/long cut (tokens)")
+    p.add_argument(
+        "--trust-length-hints-from",
+        default=None,
+        metavar="CIDR[,CIDR...]",
+        help="price requests by their x-prompt-tokens header when the HTTP peer (the gateway) is "
+        "in one of these networks (default: trust no one)",
+    )
     p.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas")
     p.add_argument(
         "--max-replicas",
@@ -86,6 +93,7 @@ def options_from_args(args: argparse.Namespace) -> "object":
         routing_stats_period_s=args.routing_stats_period_s,
         max_hold_s=args.max_hold_s,
         short_threshold=args.short_threshold,
+        trust_length_hints_from=args.trust_length_hints_from,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
         target_backlog_s=args.target_backlog_s,

@@ -3,8 +3,9 @@
 Ray's HTTP proxy hands every request to :meth:`OpenAIIngress.__call__` (a Starlette request). The
 ingress reads the body (within :mod:`plaserve.json_body`'s limits), estimates the prompt's length
 as ``plaserve route`` does (:class:`~plaserve.router.length.LengthEstimator`: token ids, else the
-model's tokenizer, else characters / 4), classifies it short or long, and calls the worker
-deployment through its handle with ``tokens`` and ``length_class``, which the request router
+model's tokenizer, else characters / 4; or a trusted gateway's ``x-prompt-tokens`` header,
+:mod:`plaserve.router.hints`), classifies it short or long, and calls the worker deployment through
+its handle with ``tokens`` and ``length_class``, which the request router
 (:mod:`plaserve.deploy.request_router`) prices.
 
 **Failures.** A replica that dies (killed, its server crashed) or cannot be reached before the
@@ -25,7 +26,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -40,7 +41,8 @@ from plaserve.deploy.replica import ReplicaError
 from plaserve.model.tokenizer import load_tokenizer
 from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD
 from plaserve.router.forward import FirstTokenScanner, error_json, request_headers, sse_error
-from plaserve.router.length import LengthEstimator
+from plaserve.router.hints import HintCheck, HintError, LengthHints, forwarded
+from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.pools import LONG, SHORT
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,10 @@ def _retryable(e: BaseException) -> bool:
 
 class OpenAIIngress:
     """The HTTP entry (module docstring). ``workers`` is the handle of the worker deployment;
-    ``tokenizer`` the served model's directory (None: the embedded model's byte tokenizer)."""
+    ``tokenizer`` the served model's directory (None: the embedded model's byte tokenizer);
+    ``trust_length_hints_from`` the ``CIDR[,CIDR...]`` whose ``x-prompt-tokens`` headers price
+    requests (:mod:`plaserve.router.hints`; Ray's proxy hands on the ASGI scope, so the peer is
+    the client's TCP peer at the proxy)."""
 
     def __init__(
         self,
@@ -65,8 +70,10 @@ class OpenAIIngress:
         tokenizer: str | None = None,
         short_threshold: int = DEFAULT_SHORT_THRESHOLD,
         max_attempts: int = 3,
+        trust_length_hints_from: str | None = None,
     ) -> None:
         self.workers = workers
+        self.length_hints = LengthHints.from_spec(trust_length_hints_from)
         self.estimator = LengthEstimator(load_tokenizer(tokenizer))
         self.short_threshold = short_threshold
         self.max_attempts = max_attempts
@@ -91,14 +98,13 @@ class OpenAIIngress:
             return _error(400, f"the request body is not valid JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
-        est = await (
-            self.estimator.chat(body)
-            if path.endswith("chat/completions")
-            else self.estimator.completion(body)
-        )
-        cls = SHORT if sum(est.tokens) < self.short_threshold else LONG
-        job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}
-        headers = request_headers(dict(request.headers))
+        peer = request.client.host if request.client is not None else None
+        try:
+            job, check = await self.price(path, body, request.headers, peer)
+        except HintError as e:
+            self.metrics.requests.labels(path, "400").inc()
+            return _error(400, str(e))
+        headers = forwarded(request_headers(dict(request.headers)), used=check is not None)
         arrival = time.monotonic()
         attempt_once = self._try_stream if body.get("stream") else self._try_whole
         last: BaseException | None = None
@@ -106,7 +112,7 @@ class OpenAIIngress:
             if attempt:
                 self.metrics.retries.inc()
             try:
-                return await attempt_once(path, body, headers, job, arrival)
+                return await attempt_once(path, body, headers, job, arrival, check)
             except Exception as e:  # noqa: BLE001 - a lost replica is retried, the rest raised
                 if not _retryable(e):
                     raise
@@ -116,16 +122,56 @@ class OpenAIIngress:
             503, f"no replica could serve the request ({self.max_attempts} tried): {last}"
         )
 
+    async def price(
+        self, path: str, body: dict[str, Any], headers: Mapping[str, str], peer: str | None
+    ) -> tuple[dict[str, Any], HintCheck | None]:
+        """The handle call's pricing keywords (``tokens``, ``length_class``, ``job_id``) for a
+        request from ``peer``, from a trusted ``x-prompt-tokens`` header or the estimator; and the
+        check that compares a hint with the answer. Raises :class:`HintError` for a trusted peer's
+        malformed hint."""
+        chat = path.endswith("chat/completions")
+        try:
+            outcome, hint = self.length_hints.read(headers, peer, body, chat)
+        except HintError:
+            self.metrics.pricing.hints.labels("malformed").inc()
+            raise
+        if outcome != "absent":
+            self.metrics.pricing.hints.labels(outcome).inc()
+        if hint is not None:
+            est = Estimate(hint, "hint")
+        else:
+            est = await (self.estimator.chat(body) if chat else self.estimator.completion(body))
+        self.metrics.pricing.priced_tokens.labels(est.method).inc(sum(est.tokens))
+        cls = SHORT if sum(est.tokens) < self.short_threshold else LONG
+        job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}
+        check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
+        return job, check
+
     async def _try_whole(
-        self, path: str, body: dict, headers: dict, job: dict, arrival: float
+        self,
+        path: str,
+        body: dict,
+        headers: dict,
+        job: dict,
+        arrival: float,
+        check: HintCheck | None = None,
     ) -> Response:
         status, answer = await self.workers.generate.remote(path, body, headers, **job)
+        if check is not None and status == 200 and isinstance(answer, dict):
+            usage = answer.get("usage")
+            check.actual(usage.get("prompt_tokens") if isinstance(usage, dict) else None)
         self.metrics.requests.labels(path, str(status)).inc()
         self.metrics.e2e.labels(job["length_class"]).observe(time.monotonic() - arrival)
         return JSONResponse(answer, status_code=status)
 
     async def _try_stream(
-        self, path: str, body: dict, headers: dict, job: dict, arrival: float
+        self,
+        path: str,
+        body: dict,
+        headers: dict,
+        job: dict,
+        arrival: float,
+        check: HintCheck | None = None,
     ) -> Response:
         """The stream once its first token is in; raises (to be retried) if it fails before."""
         gen = self.workers.options(stream=True).stream.remote(path, body, headers, **job)
@@ -152,20 +198,32 @@ class OpenAIIngress:
         self.metrics.ttft.labels(job["length_class"]).observe(time.monotonic() - arrival)
         notices.first_token(job["job_id"])
         return StreamingResponse(
-            self._rest(gen, bytes(scanner.buffer), path, job, arrival),
+            self._rest(gen, bytes(scanner.buffer), path, job, arrival, check),
             media_type="text/event-stream",
         )
 
     async def _rest(
-        self, gen: Any, head: bytes, path: str, job: dict, arrival: float
+        self,
+        gen: Any,
+        head: bytes,
+        path: str,
+        job: dict,
+        arrival: float,
+        check: HintCheck | None = None,
     ) -> AsyncIterator[bytes]:
         """The stream from its first token on; a replica lost now ends it with an error event."""
         yield head
         outcome, last = "200", head
+        if check is not None:
+            check.feed(head)
         try:
             async for chunk in gen:
                 last = chunk
+                if check is not None:
+                    check.feed(chunk)
                 yield chunk
+            if check is not None:
+                check.done()
         except asyncio.CancelledError:
             gen.cancel()
             # A client that read [DONE] may close before the replica's stream has ended: served.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from plaserve.router.hints import HintMetrics
 from plaserve.router.pools import LONG, SHORT
 
 
@@ -105,6 +106,7 @@ class IngressMetrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0),
             registry=r,
         )
+        self.pricing = HintMetrics(r, "plaserve_ray")
         for cls in (SHORT, LONG):
             self.ttft.labels(cls)
             self.e2e.labels(cls)

@@ -19,6 +19,8 @@ from plaserve.router.config import (
     RouterConfig,
     SloConfig,
 )
+from plaserve.router.hints import HEADER as HINT_HEADER
+from plaserve.router.hints import LengthHints
 
 
 def add_route_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,6 +56,14 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="the served model's directory, to count prompt tokens (default: the workers' /tokenize)",
+    )
+    p.add_argument(
+        "--trust-length-hints-from",
+        type=_length_hints,
+        default=LengthHints(),
+        metavar="CIDR[,CIDR...]",
+        help=f"price requests by their {HINT_HEADER} header when the TCP peer (the gateway, not "
+        "X-Forwarded-For) is in one of these networks (default: trust no one)",
     )
     p.add_argument(
         "--profile",
@@ -127,6 +137,13 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="power_of_two's random draws")
 
 
+def _length_hints(spec: str) -> LengthHints:
+    try:
+        return LengthHints.from_spec(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The :class:`RouterConfig` the flags describe."""
     return RouterConfig(
@@ -135,6 +152,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout_secs,
         worker_api_key=args.api_key,
         seed=args.seed,
+        length_hints=args.trust_length_hints_from,
         health=HealthConfig(
             interval_s=args.health_check_interval_secs,
             timeout_s=args.health_check_timeout_secs,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plaserve.router.hints import LengthHints
 from plaserve.slo import DEFAULT_FACTOR, DEFAULT_FLOOR_S, SloRule
 
 POLICIES = ("pla", "round_robin", "least_requests", "least_tokens", "power_of_two")
@@ -84,6 +85,8 @@ class RouterConfig:
         None  # sent on the router's own calls (/load, /tokenize); clients' keys pass through
     )
     seed: int = 0  # power_of_two's sampling
+    # Whose x-prompt-tokens headers price requests (router/hints.py); the default trusts no one.
+    length_hints: LengthHints = field(default_factory=LengthHints)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     slo: SloConfig = field(default_factory=SloConfig)

@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from plaserve.router.hints import HintMetrics
+
 if TYPE_CHECKING:
     from plaserve.router.policies import Policy
     from plaserve.router.workers import Worker
@@ -64,6 +66,7 @@ class RouterMetrics:
             ["method"],
             registry=r,
         )
+        self.pricing = HintMetrics(r, "plaserve_router")
         self.ttft = Histogram(
             "plaserve_router_time_to_first_token_seconds",
             "from arrival at the router to the first token (streamed requests)",

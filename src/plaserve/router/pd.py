@@ -34,6 +34,7 @@ from plaserve.router.config import RouterConfig
 from plaserve.router.costs import default_cost_model
 from plaserve.router.forward import error_json, response_headers
 from plaserve.router.health import WorkerMonitor
+from plaserve.router.hints import HintCheck, usage_prompt_tokens
 from plaserve.router.policies import Job
 from plaserve.router.workers import Worker
 
@@ -171,8 +172,10 @@ async def generate_pd(
     body: dict[str, Any],
     job: Job,
     headers: dict[str, str],
+    check: HintCheck | None = None,
 ) -> web.StreamResponse:
-    """Route one generation request through a prefill worker and a decode worker (module doc)."""
+    """Route one generation request through a prefill worker and a decode worker (module doc);
+    ``check`` (a length hint's) is measured on the prefill leg's usage."""
     from plaserve.router.proxy import NoWorkerError, _Failure
 
     tier = router.decode_tier
@@ -197,7 +200,7 @@ async def generate_pd(
             except NoWorkerError:
                 break
             tried_prefill.add(worker.url)
-            result = await _prefill_leg(router, path, first_raw, headers, job, worker, rid)
+            result = await _prefill_leg(router, path, first_raw, headers, job, worker, rid, check)
             if isinstance(result, web.Response):
                 return result  # the client's error, as the worker put it
             if isinstance(result, _Failure):
@@ -235,6 +238,7 @@ async def _prefill_leg(
     job: Job,
     worker: Worker,
     rid: int,
+    check: HintCheck | None = None,
 ) -> dict[str, Any] | web.Response | _Failure:
     """The prefill on ``worker``: its ``kv_transfer_params``, the client's 4xx, or a failure."""
     from plaserve.router.proxy import _Failure
@@ -280,6 +284,8 @@ async def _prefill_leg(
             finish(False, "failed")
             return router._failure(worker, "its answer carried no kv_transfer_params")
         finish(True, "ok")
+        if check is not None:  # the prefill's answer counts the whole prompt
+            check.actual(usage_prompt_tokens(data))
         return params
     except asyncio.CancelledError:
         finish(False, "client_gone", fault=False)

@@ -11,6 +11,11 @@ Routes:
   ``POST /workers`` and ``DELETE /workers`` with ``{"url": ...}`` (or ``?url=``): add and remove
   workers at run time.
 
+Pricing: each request's prompt lengths come from :mod:`plaserve.router.length`, or from the
+``x-prompt-tokens`` header of a gateway named by ``--trust-length-hints-from``
+(:mod:`plaserve.router.hints`); a hint's error against the answer's ``usage.prompt_tokens`` is
+measured in ``plaserve_router_length_hint_relative_error``.
+
 Failure handling, per request: up to ``max_attempts`` workers, each tried once. A connection error,
 a timeout, a 5xx, a 429, an error event or the end of the stream before the first token, or the worker
 leaving the rotation (failed health checks) while the request waits for its first byte: the request
@@ -46,6 +51,8 @@ from plaserve.router.forward import (
     sse_error,
 )
 from plaserve.router.health import WorkerMonitor
+from plaserve.router.hints import HEADER as HINT_HEADER
+from plaserve.router.hints import HintCheck, HintError, forwarded, usage_prompt_tokens
 from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
 from plaserve.router.pd import DecodeTier, generate_pd
@@ -281,12 +288,18 @@ class Router:
             return self._reply(path, 400, error_json(400, str(e)))
         if not isinstance(body, dict):
             return self._reply(path, 400, error_json(400, "request body must be a JSON object"))
-        est = await self.estimate(path, body)
+        try:
+            hint = self._hint(request, path, body)
+        except HintError as e:
+            return self._reply(path, 400, error_json(400, str(e)))
+        est = Estimate(hint, "hint") if hint is not None else await self.estimate(path, body)
         self.metrics.child(self.metrics.estimates, est.method).inc()
+        self.metrics.child(self.metrics.pricing.priced_tokens, est.method).inc(sum(est.tokens))
+        check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
-        headers = request_headers(request.headers)
+        headers = forwarded(request_headers(request.headers), used=hint is not None)
         if self.decode_tier is not None:
-            return await generate_pd(self, request, path, body, job, headers)
+            return await generate_pd(self, request, path, body, job, headers, check)
         stream = body.get("stream") is True
         tried: set[str] = set()
         failure: _Failure | None = None
@@ -300,7 +313,7 @@ class Router:
             if attempt:
                 self.metrics.retries.inc()
             result = await self._attempt(
-                request, path, raw, headers, stream, job, worker, rid, cost
+                request, path, raw, headers, stream, job, worker, rid, cost, check
             )
             if isinstance(result, web.StreamResponse):
                 return result
@@ -311,6 +324,23 @@ class Router:
                 path, 503, error_json(503, "no worker available"), {"Retry-After": "1"}
             )
         return self._reply(path, failure.status, failure.body, failure.headers)
+
+    def _hint(
+        self, request: web.Request, path: str, body: dict[str, Any]
+    ) -> tuple[int, ...] | None:
+        """The prompt lengths a trusted gateway stated in ``x-prompt-tokens`` (router/hints.py), or
+        None; raises :class:`HintError` for a trusted peer's malformed one (counted here)."""
+        if HINT_HEADER not in request.headers:
+            return None
+        try:
+            outcome, tokens = self.config.length_hints.read(
+                request.headers, request.remote, body, chat=path == "/v1/chat/completions"
+            )
+        except HintError:
+            self.metrics.child(self.metrics.pricing.hints, "malformed").inc()
+            raise
+        self.metrics.child(self.metrics.pricing.hints, outcome).inc()
+        return tokens
 
     def _reply(
         self, route: str, status: int, body: bytes, headers: dict[str, str] | None = None
@@ -357,6 +387,7 @@ class Router:
         worker: Worker,
         rid: int,
         cost: float,
+        check: HintCheck | None = None,
     ) -> web.StreamResponse | _Failure:
         """One try on one worker: the client's response, or the failure to retry from."""
         done = False
@@ -406,6 +437,8 @@ class Router:
             worker.first_token(rid)
             if isinstance(first, bytes):  # not streamed: the whole answer is here
                 finish(True, "ok")
+                if check is not None:
+                    check.actual(usage_prompt_tokens(first))
                 self.metrics.child(self.metrics.e2e, job.length_class).observe(now - job.arrival)
                 return self._reply(path, 200, first, response_headers(resp.headers))
 
@@ -416,7 +449,7 @@ class Router:
             self.policy.on_first_token(job, worker, cost, now)
             self.metrics.child(self.metrics.ttft, job.length_class).observe(now - job.arrival)
             self.dispatcher.wake()
-            return await self._stream_rest(request, path, resp, first, job, worker, finish)
+            return await self._stream_rest(request, path, resp, first, job, worker, finish, check)
         except asyncio.CancelledError:
             finish(False, "client_gone", fault=False)
             raise
@@ -430,6 +463,7 @@ class Router:
         job: Job,
         worker: Worker,
         finish: Callable[..., None],
+        check: HintCheck | None = None,
     ) -> web.StreamResponse:
         """Send the buffered start and then every chunk as it comes; the first token is in ``first``."""
         out = web.StreamResponse(
@@ -445,12 +479,17 @@ class Router:
             # has arrived too): one system call instead of several for a short answer.
             pending = bytes(first.buffer) + resp.content.read_nowait()
             ended = resp.content.at_eof()  # the whole stream is here already
+            feed = check.feed if check is not None else None
             try:
+                if feed is not None:
+                    feed(pending)
                 if ended:
                     await out.write_eof(pending)
                 else:
                     await out.write(pending)
                     while chunk := await resp.content.readany():
+                        if feed is not None:
+                            feed(chunk)
                         await out.write(chunk)
             except (
                 aiohttp.ClientPayloadError,
@@ -476,6 +515,8 @@ class Router:
         finally:
             resp.close()
         finish(True, "ok")
+        if check is not None:
+            check.done()
         self.metrics.child(self.metrics.requests, path, "200").inc()
         self.metrics.child(self.metrics.e2e, job.length_class).observe(self._clock() - job.arrival)
         return out
