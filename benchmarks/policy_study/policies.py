@@ -324,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
         "which keep fcfs busy near 75 %% of the window on the development machine; the "
         "conversation trace's long outputs add much decode work)",
     )
+    p.add_argument(
+        "--loads",
+        default=None,
+        help="per-trace loads, e.g. code=0.18,conv=0.05 (over --load; a light-load run needs far "
+        "less on the decode-heavy conversation trace)",
+    )
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", default=None, help="folder for results.json and CDF plots")
     p.add_argument(
@@ -353,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     print(
-        f"model: embedded default (RANDOM WEIGHTS), float32 on {device}, {torch.get_num_threads()} threads"
+        f"model: embedded default (RANDOM WEIGHTS), {str(dtype).removeprefix('torch.')} on {device}, "
+        f"{torch.get_num_threads()} threads"
     )
     slo = SloRule(factor=5.0, floor=0.5)
     sched = SchedulerConfig(ttft_slo_factor=slo.factor, ttft_slo_floor=slo.floor)
@@ -369,9 +376,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(L=128: {cost.prefill_time(128) * 1e3:.0f} ms, L=2048: {cost.prefill_time(2048) * 1e3:.0f} ms)"
     )
     seconds = args.seconds or (35.0 if args.quick else 60.0)
-    slices = [Slice("code", "azure_code_2023.csv", 0, 2000, args.load or 0.68)]
+    loads = {"code": args.load or 0.68, "conv": args.load or 0.31}
+    for item in args.loads.split(",") if args.loads else []:
+        name, value = item.split("=")
+        loads[name] = float(value)
+    slices = [Slice("code", "azure_code_2023.csv", 0, 2000, loads["code"])]
     if not args.quick:
-        slices.append(Slice("conv", "azure_conv_2023.csv", 0, 4000, args.load or 0.31))
+        slices.append(Slice("conv", "azure_conv_2023.csv", 0, 4000, loads["conv"]))
     policies = args.policies.split(",")
     out: dict = {"cost_model": cost.as_dict(), "slo": vars(slo), "traces": {}}
     for s in [] if args.starvation_only else slices:
