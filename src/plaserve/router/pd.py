@@ -243,15 +243,7 @@ async def _prefill_leg(
     """The prefill on ``worker``: its ``kv_transfer_params``, the client's 4xx, or a failure."""
     from plaserve.router.proxy import _Failure
 
-    done = False
-
-    def finish(ok: bool, outcome: str, fault: bool | None = None) -> None:
-        nonlocal done
-        if not done:
-            done = True
-            worker.finish(rid, ok, router._clock(), worker_fault=fault)
-            router.metrics.child(router.metrics.attempts, worker.url, outcome).inc()
-            router.dispatcher.wake()
+    finish = router._finisher(worker, rid)
 
     task = asyncio.ensure_future(router._until_first_token(worker, path, raw, headers, False))
     worker.waiting.add(task)
@@ -307,14 +299,7 @@ async def _decode_leg(
 
     rid = next(router._rids)
     worker.start(rid, 0.0, sum(job.tokens), job.length_class, router._clock())
-    done = False
-
-    def finish(ok: bool, outcome: str, fault: bool | None = None) -> None:
-        nonlocal done
-        if not done:
-            done = True
-            worker.finish(rid, ok, router._clock(), worker_fault=fault)
-            router.metrics.child(router.metrics.attempts, worker.url, outcome).inc()
+    finish = router._finisher(worker, rid, wake=False)  # decode workers are picked directly, not dispatched
 
     task = asyncio.ensure_future(router._until_first_token(worker, path, raw, headers, stream))
     worker.waiting.add(task)

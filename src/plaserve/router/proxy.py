@@ -376,6 +376,23 @@ class Router:
             resp.close()
             raise
 
+    def _finisher(self, worker: Worker, rid: int, wake: bool = True) -> Callable[..., None]:
+        """``finish(ok, outcome, fault=None)`` for one attempt on ``worker``: books the attempt's end
+        once (the worker's accounts, the attempts metric and, with ``wake``, the dispatcher woken for
+        the capacity it freed); later calls do nothing."""
+        done = False
+
+        def finish(ok: bool, outcome: str, fault: bool | None = None) -> None:
+            nonlocal done
+            if not done:
+                done = True
+                worker.finish(rid, ok, self._clock(), worker_fault=fault)
+                self.metrics.child(self.metrics.attempts, worker.url, outcome).inc()
+                if wake:
+                    self.dispatcher.wake()
+
+        return finish
+
     async def _attempt(
         self,
         request: web.Request,
@@ -390,16 +407,7 @@ class Router:
         check: HintCheck | None = None,
     ) -> web.StreamResponse | _Failure:
         """One try on one worker: the client's response, or the failure to retry from."""
-        done = False
-
-        def finish(ok: bool, outcome: str, fault: bool | None = None) -> None:
-            nonlocal done
-            if not done:
-                done = True
-                worker.finish(rid, ok, self._clock(), worker_fault=fault)
-                self.metrics.child(self.metrics.attempts, worker.url, outcome).inc()
-                self.dispatcher.wake()
-
+        finish = self._finisher(worker, rid)
         task = asyncio.ensure_future(self._until_first_token(worker, path, raw, headers, stream))
         worker.waiting.add(task)
         try:

@@ -189,6 +189,10 @@ def chat_response(
     }
 
 
+def _chunk(rid: str, created: int, model: str, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
 def completion_chunk(
     rid: str,
     created: int,
@@ -199,15 +203,8 @@ def completion_chunk(
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed piece of a completion (its ``usage`` field: :meth:`StreamUsage.stamp`)."""
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(rid, created, model, "text_completion", choice)
 
 
 def chat_chunk(
@@ -215,20 +212,13 @@ def chat_chunk(
     created: int,
     model: str,
     index: int,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish_reason: str | None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed piece of a chat completion (its ``usage`` field: :meth:`StreamUsage.stamp`)."""
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        ],
-    }
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return _chunk(rid, created, model, "chat.completion.chunk", choice)
 
 
 def usage_chunk(
