@@ -271,6 +271,32 @@ def test_short_batch_keeps_its_on_time_members_on_time(pad):
         assert len(batch) == 4
 
 
+@pytest.mark.parametrize("pad", ["always", "never"])
+def test_a_short_batch_of_late_requests_fills_its_budget(pad):
+    # Deep in a burst every deadline has passed (and 2 SLOs gone, so none yields): a smaller batch
+    # cannot bring any member back on time, so the batch fills the budget as fcfs fills a step. It
+    # used to take the head alone, as every member's past deadline failed the check.
+    engine, _, _ = sim_engine(
+        policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=1.0
+    )
+    queue(engine, [A(0.0, 100)] * 30)
+    sched = engine.scheduler
+    formed = sched.short_batch_plan(0.25)
+    assert len(formed.reqs) > 1 and len(formed.reqs) == formed.target  # full
+    # One on time among late ones that still yield: it goes first and bounds the batch, and the late
+    # ones fill it only as far as it stays on time.
+    engine, _, _ = sim_engine(
+        policy="pla", pad_short_batches=pad, ttft_slo_floor=0.1, ttft_slo_factor=1.0
+    )
+    late = queue(engine, [A(0.0, 100)] * 30)
+    (fresh,) = queue(engine, [A(0.18, 100)])
+    formed = engine.scheduler.short_batch_plan(0.18)
+    assert formed.reqs[0] is fresh and 1 < len(formed.reqs) < formed.target
+    work = COST.batch_time([(formed.bucket or r.num_prompt_tokens, 0) for r in formed.reqs])
+    assert 0.18 + work <= deadline(fresh) < 0.18 + work + COST.prefill_time(100) - COST.c0
+    assert set(formed.reqs) <= {fresh, *late}
+
+
 def test_short_batch_deadline_check_counts_the_decodes_riding_along():
     engine, _, _ = sim_engine(
         policy="pla", pad_short_batches="never", ttft_slo_floor=0.1, ttft_slo_factor=1.0

@@ -72,23 +72,30 @@ class ShortQueue:
     ) -> list[Request]:
         """``cands[0]`` and, in order, each later candidate that fits in ``max_tokens`` (counting
         ``tokens(r)`` per request) and keeps the batch's predicted finish, were it to run now with the
-        riders, within the deadline of every member that does not yield: in a burst one large batch
-        would make all its members late, where smaller ones keep most on time."""
+        riders, within the deadline of every member that is on time in it and does not yield: in a
+        burst one large batch would make all its members late, where smaller ones keep most on time.
+
+        A member late already as it joins (its deadline before the batch's finish with it) bounds
+        nothing: any later batch would serve it later still, so a smaller batch cannot bring it back
+        on time and only puts off everyone behind it. Where every candidate is that late (deep in a
+        burst) the batch fills the token budget, as fcfs fills a step (docs/POLICIES.md, "Bursts")."""
         c0 = plan.cost.c0
         batch: list[Request] = []
         used, work, due = (
             0,
             c0 + plan.rider_time,
             float("inf"),
-        )  # tokens, predicted seconds, earliest deadline
+        )  # tokens, predicted seconds, earliest deadline of the members on time
         for r in cands:
             n = tokens(r)
             w = plan.cost.prefill_time(n) - c0
-            d = due if plan.yields(r) else min(due, deadline(r))
-            if batch and (used + n > max_tokens or plan.now + work + w > d):
+            finish = plan.now + work + w
+            if batch and (used + n > max_tokens or finish > due):
                 continue
+            if not plan.yields(r) and deadline(r) >= finish:
+                due = min(due, deadline(r))
             batch.append(r)
-            used, work, due = used + n, work + w, d
+            used, work = used + n, work + w
         return batch
 
     def ready_at(self, batch: ShortBatch) -> float:
