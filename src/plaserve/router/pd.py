@@ -299,7 +299,9 @@ async def _decode_leg(
 
     rid = next(router._rids)
     worker.start(rid, 0.0, sum(job.tokens), job.length_class, router._clock())
-    finish = router._finisher(worker, rid, wake=False)  # decode workers are picked directly, not dispatched
+    finish = router._finisher(
+        worker, rid, wake=False
+    )  # decode workers are picked directly, not dispatched
 
     task = asyncio.ensure_future(router._until_first_token(worker, path, raw, headers, stream))
     worker.waiting.add(task)
