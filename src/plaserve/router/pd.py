@@ -245,22 +245,11 @@ async def _prefill_leg(
 
     finish = router._finisher(worker, rid)
 
-    task = asyncio.ensure_future(router._until_first_token(worker, path, raw, headers, False))
-    worker.waiting.add(task)
     try:
-        try:
-            resp, data = await task
-        except asyncio.CancelledError:
-            if task not in worker.abandoned:
-                raise
-            finish(False, "failed", fault=False)
-            return router._failure(worker, "left the rotation before answering")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            finish(False, "failed")
-            return router._failure(worker, f"{type(e).__name__}: {e}")
-        finally:
-            worker.waiting.discard(task)
-            worker.abandoned.discard(task)
+        answer = await router._first_answer(worker, path, raw, headers, False, finish)
+        if isinstance(answer, _Failure):
+            return answer
+        resp, data = answer
         assert isinstance(data, bytes)
         if resp.status != 200:
             passthrough = resp.status != 429 and resp.status < 500
@@ -299,26 +288,14 @@ async def _decode_leg(
 
     rid = next(router._rids)
     worker.start(rid, 0.0, sum(job.tokens), job.length_class, router._clock())
-    finish = router._finisher(
-        worker, rid, wake=False
-    )  # decode workers are picked directly, not dispatched
+    # Decode workers are picked directly, not dispatched: their attempts wake no dispatcher.
+    finish = router._finisher(worker, rid, wake=False)
 
-    task = asyncio.ensure_future(router._until_first_token(worker, path, raw, headers, stream))
-    worker.waiting.add(task)
     try:
-        try:
-            resp, first = await task
-        except asyncio.CancelledError:
-            if task not in worker.abandoned:
-                raise
-            finish(False, "failed", fault=False)
-            raise _Retry(router._failure(worker, "left the rotation before answering"), False)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            finish(False, "failed")
-            raise _Retry(router._failure(worker, f"{type(e).__name__}: {e}"), False) from None
-        finally:
-            worker.waiting.discard(task)
-            worker.abandoned.discard(task)
+        answer = await router._first_answer(worker, path, raw, headers, stream, finish)
+        if isinstance(answer, _Failure):
+            raise _Retry(answer, False)
+        resp, first = answer
         if resp.status != 200:
             assert isinstance(first, bytes)
             code = _error_code(first)

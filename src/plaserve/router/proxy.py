@@ -349,6 +349,34 @@ class Router:
         out = {"Content-Type": JSON, **(headers or {})}
         return web.Response(status=status, body=body, headers=out)
 
+    async def _first_answer(
+        self,
+        worker: Worker,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        stream: bool,
+        finish: Callable[..., None],
+    ) -> tuple[aiohttp.ClientResponse, bytes | FirstTokenScanner] | _Failure:
+        """:meth:`_until_first_token` on ``worker``, or the failure to retry from (booked with
+        ``finish``): the worker left the rotation while the request waited, or the connection failed.
+        The caller's own cancellation (the client went away) propagates."""
+        task = asyncio.ensure_future(self._until_first_token(worker, path, raw, headers, stream))
+        worker.waiting.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task not in worker.abandoned:
+                raise  # the client went away
+            finish(False, "failed", fault=False)  # the health checks have already judged the worker
+            return self._failure(worker, "left the rotation before answering")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            finish(False, "failed")
+            return self._failure(worker, f"{type(e).__name__}: {e}")
+        finally:
+            worker.waiting.discard(task)
+            worker.abandoned.discard(task)
+
     async def _until_first_token(
         self, worker: Worker, path: str, raw: bytes, headers: dict[str, str], stream: bool
     ) -> tuple[aiohttp.ClientResponse, bytes | FirstTokenScanner]:
@@ -408,25 +436,11 @@ class Router:
     ) -> web.StreamResponse | _Failure:
         """One try on one worker: the client's response, or the failure to retry from."""
         finish = self._finisher(worker, rid)
-        task = asyncio.ensure_future(self._until_first_token(worker, path, raw, headers, stream))
-        worker.waiting.add(task)
         try:
-            try:
-                resp, first = await task
-            except asyncio.CancelledError:
-                if task not in worker.abandoned:
-                    raise  # the client went away
-                finish(
-                    False, "failed", fault=False
-                )  # the health checks have already judged the worker
-                return self._failure(worker, "left the rotation before answering")
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                finish(False, "failed")
-                return self._failure(worker, f"{type(e).__name__}: {e}")
-            finally:
-                worker.waiting.discard(task)
-                worker.abandoned.discard(task)
-
+            answer = await self._first_answer(worker, path, raw, headers, stream, finish)
+            if isinstance(answer, _Failure):
+                return answer
+            resp, first = answer
             if resp.status != 200:
                 assert isinstance(first, bytes)
                 passthrough = resp.status != 429 and resp.status < 500
