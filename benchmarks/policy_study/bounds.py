@@ -75,18 +75,16 @@ def fewest_late(jobs: Sequence[Job], time_limit: float = 30.0) -> int:
     arrival = np.array([j.arrival for j in jobs])
     deadline = np.array([j.deadline for j in jobs])
     work = np.array([j.work for j in jobs])
-    possible = (
-        work <= deadline - arrival + EPS
-    )  # a job that misses even alone is late in every schedule
+    # a job that misses even alone is late in every schedule
+    possible = work <= deadline - arrival + EPS
     always_late = int(n - possible.sum())
     data, cols, starts, room = [], [], [0], []  # the constraint matrix, row by row (CSR)
     for a in np.unique(arrival):
         after = possible & (arrival >= a)
         for b in np.unique(deadline[after]):
             inside = np.flatnonzero(after & (deadline <= b))
-            if (
-                work[inside].sum() > b - a + EPS
-            ):  # only intervals that could be overfull constrain the choice
+            # only intervals that could be overfull constrain the choice
+            if work[inside].sum() > b - a + EPS:
                 data.append(work[inside])
                 cols.append(inside)
                 starts.append(starts[-1] + len(inside))

@@ -36,10 +36,11 @@ POLICIES = ("fcfs", "spf", "pla")
 def find_trace(name: str) -> str:
     """Path of a shared trace file, looked up relative to the checkout and the working directory."""
     here = os.path.dirname(os.path.abspath(__file__))
+    # the checkout: benchmarks/policy_study/..
     roots = [
         os.getcwd(),
         os.path.join(here, "..", ".."),
-    ]  # the checkout: benchmarks/policy_study/..
+    ]
     for root in roots:
         for cand in TRACE_DIR_CANDIDATES:
             path = os.path.normpath(os.path.join(root, cand, name))

@@ -45,9 +45,8 @@ class SliceResult:
     least_violations: int | None  # None: bounds not computed (``run_slice(bounds=False)``)
     online_violations: dict[str, int]
     checks: list[Check]
-    ttft_ms: dict[str, dict[str, dict[str, float | None]]] = field(
-        default_factory=dict
-    )  # policy -> class -> p50/p99
+    # policy -> class -> p50/p99
+    ttft_ms: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
 
 
 def _simulate(

@@ -85,9 +85,8 @@ def measure_peak_flops(
 
 # --- fitting ---------------------------------------------------------------------------------------
 
-Sample = tuple[
-    float, float, float
-]  # (n new tokens, h cached tokens, measured seconds) of one prefill
+# (n new tokens, h cached tokens, measured seconds) of one prefill
+Sample = tuple[float, float, float]
 TERMS = ("c0", "g1", "g2", "g3")
 
 

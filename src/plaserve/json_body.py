@@ -23,9 +23,8 @@ MAX_INT_DIGITS = 40  # digits of a number (2**128 has 39)
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_DIGITS_AS_ZERO = bytes.maketrans(
-    b"123456789", b"000000000"
-)  # then a long number is a run of zeros
+# then a long number is a run of zeros
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 # A surrogate, escaped (\ud800-\udfff) or as raw bytes (json.loads decodes bytes with "surrogatepass").
 _SURROGATE = re.compile(rb"\\[uU][dD][89abcdefABCDEF]|\xed[\xa0-\xbf]")
 

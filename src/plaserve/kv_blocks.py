@@ -110,9 +110,8 @@ class BlockAllocator:
             tokens = tuple(token_ids[start : start + bs])
             key = block_key(key, tokens)
             bid = self.cached.get(key)
-            if (
-                bid is None or self.blocks[bid].tokens != tokens
-            ):  # tokens guard against hash collisions
+            # tokens guard against hash collisions
+            if bid is None or self.blocks[bid].tokens != tokens:
                 break
             ids.append(bid)
         return ids

@@ -142,9 +142,8 @@ class PlaserveProcess:
     def _kill_group(self, sig: signal.Signals) -> None:
         if self.proc is not None:
             try:
-                os.killpg(
-                    self.proc.pid, sig
-                )  # the child's pid is its group's id (start_new_session)
+                # the child's pid is its group's id (start_new_session)
+                os.killpg(self.proc.pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass  # the group is gone already
 

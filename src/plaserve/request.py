@@ -219,9 +219,8 @@ class RequestMetrics:
 
     arrival_time: float
     first_scheduled_time: float | None = None
-    prefill_chunks: list[tuple[float, float, int]] = field(
-        default_factory=list
-    )  # (start, end, tokens)
+    # (start, end, tokens)
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # when each output token was produced
     finish_time: float | None = None
@@ -284,9 +283,8 @@ class Request:
             None  # sampler.PenaltyState, from a penalised request's first sample
         )
         self.length_class = "short"  # set by the scheduler on arrival: "short" or "long"
-        self.uncached_estimate = len(
-            prompt_token_ids
-        )  # prompt tokens not in the prefix cache on arrival
+        # prompt tokens not in the prefix cache on arrival
+        self.uncached_estimate = len(prompt_token_ids)
         self.ttft_slo: float | None = None  # seconds; set by the scheduler on arrival
         # grammar.Matcher of a request with structured outputs: advanced with each output token
         self.grammar: Any = None

@@ -57,9 +57,8 @@ def test_bench_synthetic_run(
     )
     printed = capsys.readouterr().out
     assert status == 0
-    assert (
-        "cost model" in printed
-    )  # plaserve reports its cost model, so the SLO scales with the prompt
+    # plaserve reports its cost model, so the SLO scales with the prompt
+    assert "cost model" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"short", "long", "all"}
     assert summary["all"]["count"] == 6 and summary["all"]["errors"] == 0

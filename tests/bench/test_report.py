@@ -10,6 +10,7 @@ from plaserve.workload.report import RequestRecord, format_table, plot, summariz
 
 
 def _records() -> list[RequestRecord]:
+    # TTFT 1..100 ms
     short = [
         RequestRecord(
             "short",
@@ -22,7 +23,7 @@ def _records() -> list[RequestRecord]:
             slo_ttft=0.05,
         )
         for i in range(100)
-    ]  # TTFT 1..100 ms
+    ]
     long = [
         RequestRecord("long", 2000, 20, arrival=1.0, ttft=0.5, e2e=1.0, tbts=[0.03], slo_ttft=1.0),
         RequestRecord("long", 3000, 20, arrival=2.0, ttft=2.0, e2e=3.0, tbts=[0.05], slo_ttft=1.0),

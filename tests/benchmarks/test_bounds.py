@@ -144,9 +144,8 @@ def test_percentile_bound_drops_the_worst_jobs_exactly():
     assert min_ttft_percentile(jobs, 100) == pytest.approx(7.0)
     assert min_ttft_percentile(jobs, 50) == pytest.approx(3.0)
     assert min_ttft_percentile(jobs, 0) == pytest.approx(1.0)  # rank 0: the smallest job alone
-    assert min_ttft_percentile(jobs, 50, max_dropped=0) == pytest.approx(
-        2.0
-    )  # falls back to own time
+    # falls back to own time
+    assert min_ttft_percentile(jobs, 50, max_dropped=0) == pytest.approx(2.0)
 
 
 def results(short_p50: float, short_p99: float, viol: float) -> dict:
@@ -190,9 +189,8 @@ def test_online_schedules_never_beat_the_bound_and_edf_is_exact_when_all_fit():
         for order in ONLINE_ORDERS:
             assert online_late(jobs, order) >= best
             assert online_late(jobs, order, short_work=0.5) >= best
-        if (
-            best == 0
-        ):  # preemptive earliest deadline first meets every deadline when any schedule can
+        # preemptive earliest deadline first meets every deadline when any schedule can
+        if best == 0:
             assert online_late(jobs, "earliest deadline") == 0
 
 

@@ -43,9 +43,8 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
             and row["latency_ms_eager"] > 0
             and row["latency_ms_varlen"] > 0
         )
-        assert (
-            "graph_vs_eager" not in row and "latency_ms_graph" not in row
-        )  # no CUDA: no graph columns
+        # no CUDA: no graph columns
+        assert "graph_vs_eager" not in row and "latency_ms_graph" not in row
     assert results["kv_blocks_leaked"] == 0
     assert results["capture"]["shapes"] == 3 * 2  # buckets 16, 32, 64 x batches 1, 2; none captured
     assert "capture_s" not in results["capture"] and results["capture"]["estimated_mib"] > 0
@@ -54,9 +53,8 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
     assert set(e2e) == {"pla padded", "pla varlen", "fcfs"}
     for name, r in e2e.items():
         assert r["wall_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
-        assert (
-            r["identical_to_fcfs"] == setup.e2e_requests
-        )  # float32 on CPU: every path gives the same tokens
+        # float32 on CPU: every path gives the same tokens
+        assert r["identical_to_fcfs"] == setup.e2e_requests
     assert e2e["pla padded"]["grid_hits"] > 0 and e2e["pla varlen"]["grid_hits"] == 0
 
     report = bench.table(results)

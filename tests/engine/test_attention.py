@@ -38,10 +38,11 @@ def test_grouped_decode_equals_each_request_alone():
     q = torch.randn(len(lengths), HEADS, DIM, generator=gen)
     empty = torch.empty(0, KV_HEADS, DIM)
     outs = []
+    # one group of full width; three groups
     for groups in (
         None,
         [(0, 2, 10), (2, 3, 5), (3, 6, 3)],
-    ):  # one group of full width; three groups
+    ):
         meta = AttentionMetadata(
             slot_mapping=torch.empty(0, dtype=torch.long),
             prefill=[],

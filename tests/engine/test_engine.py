@@ -65,9 +65,8 @@ def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone, poli
     first = run(engine, [p600])[0]
     assert first.metrics.num_cached_tokens == 0
     second = run(engine, [p600])[0]
-    assert (
-        second.metrics.num_cached_tokens == 592
-    )  # whole 16-token blocks, the last token recomputed
+    # whole 16-token blocks, the last token recomputed
+    assert second.metrics.num_cached_tokens == 592
     assert second.output_token_ids == first.output_token_ids == alone[tuple(p600)]
     # A longer prompt sharing the 300-token prefix reuses its full blocks.
     p300 = PROMPTS[2]
@@ -221,9 +220,8 @@ def test_warm_up_leaves_no_trace(llama_ckpt, alone):
     )
     reqs = run(engine, PROMPTS)
     assert [r.output_token_ids for r in reqs] == [alone[tuple(p)] for p in PROMPTS]
-    assert all(
-        r.metrics.num_cached_tokens == 0 for r in reqs
-    )  # nothing of the warm-up went into the prefix cache
+    # nothing of the warm-up went into the prefix cache
+    assert all(r.metrics.num_cached_tokens == 0 for r in reqs)
 
 
 def _close(a, b, tol: float = 1e-4) -> bool:
@@ -253,9 +251,8 @@ def test_offline_n_choices_share_one_prefill(llama_ckpt):
         1,
         2,
     ]
-    assert (
-        llm.engine.allocator.num_cache_hits == 2 * 96
-    )  # the 10-token prompt has no full block to share
+    # the 10-token prompt has no full block to share
+    assert llm.engine.allocator.num_cache_hits == 2 * 96
     alone = make_engine(llama_ckpt, enable_prefix_caching=False)
     for j, choice in enumerate(out[0].outputs):
         single = SamplingParams(max_tokens=6, temperature=1.0, seed=7 + j, ignore_eos=True)

@@ -22,9 +22,8 @@ def inputs(tokens: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Te
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
-    qkv = randn(tokens, 12 * 16).to(
-        dtype
-    )  # 8 query + 2 key heads rotated, 2 value heads beside them
+    # 8 query + 2 key heads rotated, 2 value heads beside them
+    qkv = randn(tokens, 12 * 16).to(dtype)
     return {
         "x": randn(tokens, 64).to(dtype),
         "residual": randn(tokens, 64).to(dtype),

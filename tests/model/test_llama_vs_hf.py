@@ -148,9 +148,8 @@ def test_penalised_greedy_generation_matches_transformers(llama_ckpt):
         pad_token_id=0,
         repetition_penalty=1.8,
     )[0, 24:].tolist()
-    assert out[0].token_ids == expected and expected != hf_greedy(
-        ref, prompt, 16
-    )  # the penalty changed the text
+    # the penalty changed the text
+    assert out[0].token_ids == expected and expected != hf_greedy(ref, prompt, 16)
 
     # min_tokens: make the first unpenalised greedy token the eos; it may not end the request before 3 tokens.
     eos = hf_greedy(ref, prompt, 1)[0]
@@ -191,9 +190,8 @@ def test_presence_and_frequency_penalties_match_a_reference_loop(llama_ckpt):
         max_tokens=16, temperature=0, ignore_eos=True, frequency_penalty=0.7, presence_penalty=1.5
     )
     assert llm.generate([prompt], params)[0].token_ids == out
-    assert len(set(out)) > len(
-        set(hf_greedy(ref, prompt, 16))
-    )  # fewer repeats than without the penalties
+    # fewer repeats than without the penalties
+    assert len(set(out)) > len(set(hf_greedy(ref, prompt, 16)))
 
 
 def test_logprobs_match_transformers(llama_ckpt):
@@ -248,13 +246,11 @@ def test_prompt_logprobs_match_transformers_chunked_and_cached(llama_ckpt, polic
             got, logp[torch.arange(149), torch.tensor(prompt[1:])], atol=1e-5, rtol=0
         )
         assert [e.top[0][0] for e in out.prompt_logprobs[1:]] == logp[:149].argmax(-1).tolist()
-    assert (
-        llm.engine.allocator.num_cache_hits == 0
-    )  # nothing reused: every prompt row had to be computed
+    # nothing reused: every prompt row had to be computed
+    assert llm.engine.allocator.num_cache_hits == 0
     plain = llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
-    assert (
-        plain.prompt_logprobs is None and llm.engine.allocator.num_cache_hits > 0
-    )  # others still reuse it
+    # others still reuse it
+    assert plain.prompt_logprobs is None and llm.engine.allocator.num_cache_hits > 0
 
 
 def test_prompt_logprobs_of_padded_short_batches_and_a_prefill_cut_by_preemption(llama_ckpt):

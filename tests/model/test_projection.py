@@ -28,12 +28,13 @@ def test_fused_projection_equals_its_linears(dtype, bias):
             torch.equal(lin.weight.float(), w)
             and lin.weight.untyped_storage().data_ptr() == proj.weight.untyped_storage().data_ptr()
         )
+    # the last by the plain transposed weight
     for rows in (
         1,
         5,
         64,
         Projection.PACKED_MAX_ROWS + 1,
-    ):  # the last by the plain transposed weight
+    ):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = torch.cat(
             [

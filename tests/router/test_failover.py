@@ -18,9 +18,8 @@ from plaserve.testing.fake_gpu import FakeGpuServer, spawn
 from .conftest import FAST_HEALTH, gpu
 from .test_proxy import metric
 
-GPU = gpu(
-    tbt_s=0.05, max_output_tokens=10
-)  # 2,000-token prompts: 0.2 s prefill, then 0.45 s of tokens
+# 2,000-token prompts: 0.2 s prefill, then 0.45 s of tokens
+GPU = gpu(tbt_s=0.05, max_output_tokens=10)
 
 
 async def outcome(session: aiohttp.ClientSession, url: str, prompt: list[int] | None = None) -> str:
@@ -76,9 +75,8 @@ def test_killed_worker_requests_are_retried_or_cleanly_failed_and_it_comes_back(
                 # were retried on the live worker or never touched the dead one.
                 assert results.count("ok") >= 6 and results.count("stream_error") >= 1, results
                 async with s.get(url + "/metrics") as r:
-                    assert (
-                        metric(await r.text(), "plaserve_router_retries_total") >= 1
-                    )  # the queued ones
+                    # the queued ones
+                    assert metric(await r.text(), "plaserve_router_retries_total") >= 1
                 # After the kill, everything goes to the live worker.
                 assert (
                     await asyncio.wait_for(asyncio.gather(*(outcome(s, url) for _ in range(4))), 30)

@@ -50,10 +50,11 @@ def test_the_models_tokenizer_counts_text_and_the_chat_template(tokenizer_dir):
         }
         for m in MESSAGES
     ]
+    # exactly what the server counts
     assert (e.tokens, e.method) == (
         (len(encode_chat(tok, plain)),),
         "tokenizer",
-    )  # exactly what the server counts
+    )
 
 
 def test_a_workers_tokenize_is_asked_with_the_prompt_or_the_messages():

@@ -78,9 +78,8 @@ def test_pla_sees_the_quadratic_cost_that_token_counts_miss():
     ws = workers(2, QUADRATIC)
     ws[0].start(1, ws[0].cost((8000,)), 8000, LONG, 0.0)  # 0.4 s
     for i in range(4):
-        ws[1].start(
-            10 + i, ws[1].cost((2000,)), 2000, LONG, 0.0
-        )  # 4 x 0.04 s: as many tokens, 40 % of the work
+        # 4 x 0.04 s: as many tokens, 40 % of the work
+        ws[1].start(10 + i, ws[1].cost((2000,)), 2000, LONG, 0.0)
     assert ws[0].inflight_tokens == ws[1].inflight_tokens
     assert LeastTokens().choose(short(), ws, 0.0) is ws[0]  # a tie, broken by order
     assert PlaPolicy(CONFIG).choose(short(), ws, 0.0) is ws[1]
@@ -118,9 +117,8 @@ def test_pla_holds_long_requests_while_every_worker_is_busy_enough():
     load(ws[1], 1.2)
     assert p.choose(long_(300), ws, 0.0) is None  # both at or over the 1 s horizon
     assert p.choose(short(), ws, 0.0) is ws[1]  # short requests are never held
-    assert (
-        p.choose_now(long_(300), ws, 0.0) is ws[1]
-    )  # a retry is placed anyway, at the earliest finish
+    # a retry is placed anyway, at the earliest finish
+    assert p.choose_now(long_(300), ws, 0.0) is ws[1]
 
 
 def test_pla_releases_in_order_and_lets_a_small_one_use_the_clear_worker():
@@ -154,9 +152,8 @@ def test_pla_wakes_up_when_a_reported_backlog_drains_to_the_horizon():
     for w, b in zip(ws, (1.5, 3.0)):
         w.load = LoadReport(b, 0.0, 0.0)
     assert p.choose(long_(300), ws, 0.0) is None
-    assert p.next_wakeup(ws, 0.0) == pytest.approx(
-        0.501
-    )  # w0: 1.5 s reported, horizon 1 s, plus 1 ms
+    # w0: 1.5 s reported, horizon 1 s, plus 1 ms
+    assert p.next_wakeup(ws, 0.0) == pytest.approx(0.501)
     assert p.choose(long_(300), ws, 0.5 + 1e-6) is ws[0]
 
 

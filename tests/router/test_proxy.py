@@ -263,8 +263,7 @@ def test_a_prompt_counts_once_whatever_its_n():
             body = {"prompt": [[1, 2, 3], [4, 5]]}
             one = await c.router.estimate("/v1/completions", body)
             three = await c.router.estimate("/v1/completions", {**body, "n": 3})
-            assert (
-                one.tokens == three.tokens == (3, 2)
-            )  # the worker prefills each prompt once for its choices
+            # the worker prefills each prompt once for its choices
+            assert one.tokens == three.tokens == (3, 2)
 
     run(main())

@@ -48,9 +48,8 @@ def test_a_killed_plaserve_worker_loses_no_request(qwen2_ckpt: str) -> None:
             try:
                 async with aiohttp.ClientSession() as s:
                     tasks = [asyncio.ensure_future(outcome(s, url, PROMPT)) for _ in range(24)]
-                    await asyncio.sleep(
-                        0.4
-                    )  # requests queued, prefilling and streaming on both workers
+                    # requests queued, prefilling and streaming on both workers
+                    await asyncio.sleep(0.4)
                     os.kill(victim.proc.pid, signal.SIGKILL)
                     results = await asyncio.wait_for(asyncio.gather(*tasks), 120)  # none hangs
                     assert set(results) <= {"ok", "stream_error"}, results

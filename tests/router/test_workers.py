@@ -37,15 +37,13 @@ def test_accounting_added_at_dispatch_removed_at_first_token():
 def test_report_drains_and_adds_what_it_cannot_contain():
     w = worker()
     w.start(1, 0.4, 400, "long", now=0.0)  # before the poll: in the report
-    w.load = LoadReport(
-        backlog_s=0.3, sent=1.0, received=1.01
-    )  # the worker has done 0.1 s of it already
+    # the worker has done 0.1 s of it already
+    w.load = LoadReport(backlog_s=0.3, sent=1.0, received=1.01)
     w.start(2, 0.2, 200, "long", now=1.05)  # after the poll was sent: not in the report
     assert w.backlog(1.01) == pytest.approx(0.3 + 0.2)
     assert w.backlog(1.21) == pytest.approx(0.1 + 0.2)  # 0.2 s of work done since the report
-    assert w.backlog(2.0) == pytest.approx(
-        0.2
-    )  # the reported part is done; request 2 is still counted
+    # the reported part is done; request 2 is still counted
+    assert w.backlog(2.0) == pytest.approx(0.2)
     w.first_token(2)
     assert w.backlog(2.0) == 0.0
 

@@ -65,9 +65,8 @@ def mixed_arrivals(longs: tuple[int, int] = (8000, 6000)) -> list[A]:
 
 
 @pytest.mark.parametrize("pad", ["always", "never"])
-@pytest.mark.parametrize(
-    "longs", [(8000, 6000), (7900, 5800)]
-)  # the second pair ends in stretched chunks
+# the second pair ends in stretched chunks
+@pytest.mark.parametrize("longs", [(8000, 6000), (7900, 5800)])
 def test_short_waits_for_at_most_one_long_chunk_after_its_window(pad, longs):
     engine, clock, runner = sim_engine(policy="pla", pad_short_batches=pad)
     readiness = record_ready(engine)
@@ -95,9 +94,8 @@ def record_windows(engine: LLMEngine) -> list[float]:
 
     def logged(batch):
         at = inner(batch)
-        widths.append(
-            at - min(r.metrics.arrival_time for r in batch.reqs)
-        )  # from its oldest member
+        # from its oldest member
+        widths.append(at - min(r.metrics.arrival_time for r in batch.reqs))
         return at
 
     sched.shorts.ready_at = logged
@@ -116,9 +114,8 @@ def test_window_never_exceeds_w_max():
     replay(engine, clock, [A(0.001 * i, 100, 1) for i in range(64)])
     sizes = [len(b.items) for _, _, b in runner.batches if b.kind == "short"]
     assert max(sizes) > 4
-    assert (
-        widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001
-    )  # it did wait, within bounds
+    # it did wait, within bounds
+    assert widths and max(widths) <= 0.02 + 1e-9 and max(widths) > 0.001
 
 
 def test_long_request_progresses_within_the_bound_under_a_stream_of_shorts():
@@ -198,12 +195,13 @@ def test_decodes_ride_every_varlen_step_unless_shorts_back_up(backlog):
     # One request decodes throughout while 19 shorts arrive, one at a time or all together.
     gap = 0.0 if backlog else 0.05
     arrivals = [A(0.0, 50, 300)] + [A(0.05 + gap * i, 200, 2) for i in range(19)]
+    # two shorts a batch
     engine, clock, runner = sim_engine(
         policy="pla",
         pad_short_batches="never",
         max_prefill_steps_between_decodes=1,
         max_num_batched_tokens=400,
-    )  # two shorts a batch
+    )
     reqs = replay(engine, clock, arrivals)
     assert all(r.finished for r in reqs)
     decoding = (reqs[0].metrics.first_token_time, reqs[0].metrics.finish_time)
@@ -304,9 +302,8 @@ def test_short_batch_deadline_check_counts_the_decodes_riding_along():
     queue(engine, [A(0.0, 400)] * 2 + [A(0.0, 50)] * 2)
     sched = engine.scheduler
     alone = sched.short_batch_plan(0.0).reqs  # 400, 400, 50, 50: 95 ms predicted
-    decoders = queue(
-        sim_engine()[0], [A(0.0, 300)] * 80
-    )  # ~8.5 ms of decode tokens in every varlen step
+    # ~8.5 ms of decode tokens in every varlen step
+    decoders = queue(sim_engine()[0], [A(0.0, 300)] * 80)
     sched.decoding = lambda: decoders
     plan = sched.plan(0.0)  # a new decision: riders and the late set computed afresh
     riding = plan.rider_time
@@ -384,9 +381,8 @@ def test_a_request_arriving_at_the_same_time_joins_the_late_set():
     shorts = queue(engine, [A(0.001, 480)] * 3)
     sched = engine.scheduler
     assert sched.plan(0.001).late == set()
-    (long,) = queue(
-        engine, [A(0.0, 2000)]
-    )  # same scheduling time, a new request: the next decision's plan has it
+    # same scheduling time, a new request: the next decision's plan has it
+    (long,) = queue(engine, [A(0.0, 2000)])
     plan = sched.plan(0.001)
     assert plan.late == {long} and not any(plan.yields(r) for r in shorts)
 
@@ -409,9 +405,8 @@ def test_no_harm_at_light_load():
             cold = [
                 r for r in reqs if r.metrics.arrival_time < HORIZON_S and r.length_class == "long"
             ]
-            assert all(
-                len(r.metrics.prefill_chunks) > 1 for r in cold
-            )  # no evidence of light load yet
+            # no evidence of light load yet
+            assert all(len(r.metrics.prefill_chunks) > 1 for r in cold)
     for a, f, p in zip(arrivals, ttft["fcfs"], ttft["pla"]):
         if a.arrival >= HORIZON_S:
             assert p == pytest.approx(f)

@@ -150,9 +150,8 @@ def test_n_choices_per_prompt(client: openai.OpenAI, offline: LLM) -> None:
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     for k, prompt in enumerate(prompts):
         text, _, _ = _offline_text(offline, prompt, 6, ignore_eos=True)
-        assert (
-            resp.choices[2 * k].text == resp.choices[2 * k + 1].text == text
-        )  # greedy: the same twice
+        # greedy: the same twice
+        assert resp.choices[2 * k].text == resp.choices[2 * k + 1].text == text
     assert resp.usage.prompt_tokens == 5 + 3 and resp.usage.completion_tokens == 4 * 6
 
     sampled = dict(
@@ -238,9 +237,8 @@ def test_completion_logprobs_match_the_offline_engine(client: openai.OpenAI, off
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
     for got, want, top in zip(lp.token_logprobs, expected, lp.top_logprobs):
         assert got == pytest.approx(want.logprob, abs=1e-4)
-        assert len(top) >= 3 and max(top.values()) == pytest.approx(
-            got, abs=1e-6
-        )  # greedy: the likeliest
+        # greedy: the likeliest
+        assert len(top) >= 3 and max(top.values()) == pytest.approx(got, abs=1e-6)
     assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)]
 
     streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "text_offset": []}
@@ -303,9 +301,8 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     assert len(content) == resp.usage.completion_tokens
     for entry in content:
         assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 2
-        assert entry.top_logprobs[0].logprob == pytest.approx(
-            entry.logprob
-        )  # greedy: the likeliest
+        # greedy: the likeliest
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
     streamed = [
         e
         for chunk in client.chat.completions.create(stream=True, **args)
@@ -444,9 +441,8 @@ def test_continuous_usage_stats_count_up_to_the_final_usage(client: openai.OpenA
     assert last.choices == [] and last.usage.completion_tokens == 12
     assert all(c.choices for c in running)  # (a busy engine may merge tokens into fewer chunks)
     completion = [c.usage.completion_tokens for c in running]
-    assert (
-        completion == sorted(set(completion)) and completion[-1] == 12
-    )  # strictly growing to the final count
+    # strictly growing to the final count
+    assert completion == sorted(set(completion)) and completion[-1] == 12
     assert {c.usage.prompt_tokens for c in running} == {last.usage.prompt_tokens}
     assert all(
         c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in running
@@ -471,9 +467,8 @@ def test_continuous_usage_stats_with_n_choices(client: openai.OpenAI) -> None:
             stream=True, stream_options={"continuous_usage_stats": True}, **args
         )
     )
-    assert all(
-        c.choices and c.usage for c in chunks
-    )  # no include_usage: no last chunk without choices
+    # no include_usage: no last chunk without choices
+    assert all(c.choices and c.usage for c in chunks)
     assert [c.usage.completion_tokens for c in chunks[:2]] == [0, 0] and chunks[0].choices[
         0
     ].delta.role
@@ -585,9 +580,8 @@ def test_load_report(server) -> None:
     assert {"used_blocks", "free_blocks", "utilization"} <= set(load["kv"])
     assert {"g1", "g2", "c0"} <= set(load["cost_model"])
     assert load["short_threshold"] == 512 and isinstance(load["policy"], str)
-    assert (
-        load["dtype"] == httpx.get(f"{server.url}/server_info").json()["dtype"]
-    )  # what --dtype auto chose
+    # what --dtype auto chose
+    assert load["dtype"] == httpx.get(f"{server.url}/server_info").json()["dtype"]
 
 
 def test_sglang_router_endpoints(server, qwen2_ckpt: str) -> None:
@@ -624,9 +618,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             assert next(line for line in lines if line).startswith("data: ")
-            assert (
-                _load(server)["kv"]["used_blocks"] > 0
-            )  # the request holds blocks while it streams
+            # the request holds blocks while it streams
+            assert _load(server)["kv"]["used_blocks"] > 0
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -82,9 +82,8 @@ def test_trickled_headers_are_cut_off(server: ServerProcess, after_a_response: b
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         start = time.monotonic()
         closed = False
-        for _ in range(
-            20
-        ):  # one header byte every 0.2 s: each resets uvicorn's own keep-alive timer
+        # one header byte every 0.2 s: each resets uvicorn's own keep-alive timer
+        for _ in range(20):
             try:
                 sock.sendall(b"X")
             except (BrokenPipeError, ConnectionResetError):

@@ -10,9 +10,8 @@ def test_stop_prefix_len() -> None:
     assert stop_prefix_len("hello", ("world",)) == 0
     assert stop_prefix_len("abc\n\nUs", ("\n\nUser:", "xyz")) == 4
     assert stop_prefix_len("ab", ("abc",)) == 2
-    assert (
-        stop_prefix_len("abc", ("abc",)) == 0
-    )  # a whole stop string is the engine's to cut, not a prefix
+    # a whole stop string is the engine's to cut, not a prefix
+    assert stop_prefix_len("abc", ("abc",)) == 0
     assert stop_prefix_len("aab", ("ab", "aab")) == 0
     assert stop_prefix_len("xa", ("ab", "aab")) == 1
     assert stop_prefix_len("anything", ()) == 0

@@ -48,9 +48,8 @@ def test_snapshot_is_the_state_as_each_step_starts():
         sink = OutputSink(asyncio.get_running_loop(), queue)
         loop.start()
         finished = 0
-        for i in range(
-            6
-        ):  # arrivals while earlier requests prefill (in 256-token chunks) and decode
+        # arrivals while earlier requests prefill (in 256-token chunks) and decode
+        for i in range(6):
             loop.submit(
                 [
                     Submission(
@@ -77,9 +76,8 @@ def test_snapshot_is_the_state_as_each_step_starts():
         assert published["num_requests"] == now["num_requests"]
         assert 0 <= age < 1.0
     final = loop.snapshot().load
-    assert (
-        final["num_requests"] == 0 and sum(final["backlog_s"].values()) == 0
-    )  # published on going idle
+    # published on going idle
+    assert final["num_requests"] == 0 and sum(final["backlog_s"].values()) == 0
 
 
 class TokenRunner:

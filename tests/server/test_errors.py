@@ -273,9 +273,8 @@ def test_bad_tool_and_structured_requests_are_refused(
     with pytest.raises(openai.BadRequestError) as info:
         _create(client, endpoint, **fields)
     assert info.value.param == param and message in info.value.message, info.value.message
-    assert (
-        _create(client, endpoint).choices[0].finish_reason is not None
-    )  # and the server goes on serving
+    # and the server goes on serving
+    assert _create(client, endpoint).choices[0].finish_reason is not None
 
 
 @pytest.mark.parametrize(

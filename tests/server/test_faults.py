@@ -77,9 +77,8 @@ def assert_openai_error(status: int, body: dict[str, Any] | None) -> dict[str, A
     err = body["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"]
-    assert err["code"] is None or isinstance(err["code"], str), (
-        err
-    )  # a string or null, as OpenAI's API
+    # a string or null, as OpenAI's API
+    assert err["code"] is None or isinstance(err["code"], str), err
     assert err["param"] is None or isinstance(err["param"], str)
     return err
 

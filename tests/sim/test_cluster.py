@@ -221,9 +221,8 @@ def test_speed_smoke_trace_at_eight_instances():
     )
     wall = time.perf_counter() - t0
     assert len(result.records) == len(requests) and all(r.ok for r in result.records)
-    assert (
-        wall < result.duration_s / 10
-    )  # a generous bound: about 50x faster than real time when idle
+    # a generous bound: about 50x faster than real time when idle
+    assert wall < result.duration_s / 10
 
 
 def test_prefix_cache_changes_nothing_for_random_prompts():
@@ -273,6 +272,5 @@ def test_a_poll_during_a_step_reports_the_state_as_the_step_started():
         assert sent == start < t
         assert backlog == pytest.approx(expected)
         if start > 0:  # (the request itself, dispatched at 0, counts as unseen by a report dated 0)
-            assert router_view == pytest.approx(
-                max(0.0, expected - (t - start))
-            )  # drained since then
+            # drained since then
+            assert router_view == pytest.approx(max(0.0, expected - (t - start)))

@@ -33,10 +33,8 @@ class ClientConfig:
     api_key: str | None = None
     short_threshold: int = 512  # prompts shorter than this are "short"
     request_timeout: float = 600.0
-    token_id_range: tuple[int, int] = (
-        10,
-        500,
-    )  # ids valid in every tokenizer (and the embedded model)
+    # ids valid in every tokenizer (and the embedded model)
+    token_id_range: tuple[int, int] = (10, 500)
     seed: int = 0
 
 

@@ -354,9 +354,8 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return False
-        self.scheduler.finish(
-            req, "abort"
-        )  # a held request holds no blocks: it is only marked finished
+        # a held request holds no blocks: it is only marked finished
+        self.scheduler.finish(req, "abort")
         self.kv_handoff.forget(request_id)
         self._release(request_id)
         req.metrics.finish_time = self.clock()

@@ -25,9 +25,8 @@ class PackedBatch:
     meta: AttentionMetadata
     sample_rows: list[int]  # packed row of the last token of each sampling item
     sample_items: list[int]  # index into batch.items of each sampling item
-    first_rows: dict[
-        int, int
-    ]  # packed row of the first token of each item, by index into batch.items
+    # packed row of the first token of each item, by index into batch.items
+    first_rows: dict[int, int]
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -62,9 +61,8 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
         ids.extend(req.token_ids[start:end])
         pos.extend(range(start, end))
         slots.extend(_slots(req.block_table, start, end, block_size))
-        if (
-            pad_to is not None
-        ):  # right padding: token 0 at a harmless position, K/V to the null block
+        # right padding: token 0 at a harmless position, K/V to the null block
+        if pad_to is not None:
             extra = pad_to - it.num_tokens
             ids.extend([0] * extra)
             pos.extend([0] * extra)
@@ -267,9 +265,8 @@ class ModelRunner:
         reqs = [batch.items[i].request for i in packed.sample_items]
         logits = self.model.compute_logits(hidden[packed.sample_rows])
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
-        raw = (
-            logits[asked].log_softmax(-1) if asked else None
-        )  # a copy: the penalties change logits in place
+        # a copy: the penalties change logits in place
+        raw = logits[asked].log_softmax(-1) if asked else None
         banned = None if masks is None else masks.wait(reqs, logits.shape[-1], logits.device)
         tokens = sample(
             apply_penalties(logits, reqs),
@@ -298,9 +295,8 @@ class ModelRunner:
         over a large vocabulary would take gigabytes."""
         req = item.request
         start = req.num_computed_tokens
-        first = max(
-            start, len(req.prompt_logprobs) - 1
-        )  # position whose successor is the next entry
+        # position whose successor is the next entry
+        first = max(start, len(req.prompt_logprobs) - 1)
         end = min(start + item.num_tokens, req.num_prompt_tokens - 1)
         for lo in range(first, end, rows_at_once):
             hi = min(end, lo + rows_at_once)

@@ -143,9 +143,8 @@ def token_logprobs(
         :, 0
     ].tolist()
     kmax = max(ks, default=0)
-    top_vals, top_ids = (
-        ([], []) if not kmax else (t.tolist() for t in torch.topk(logprobs, kmax))
-    )  # values first
+    # values first
+    top_vals, top_ids = ([], []) if not kmax else (t.tolist() for t in torch.topk(logprobs, kmax))
     return [
         TokenLogprobs(token, lp, tuple(zip(top_ids[r][:k], top_vals[r][:k])) if k else ())
         for r, (token, lp, k) in enumerate(zip(tokens, chosen, ks))

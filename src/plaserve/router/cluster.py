@@ -145,9 +145,8 @@ def run_cluster(args: argparse.Namespace) -> int:
         print(f"plaserve cluster: {e}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(
-            signal.SIGINT, signal.SIG_IGN
-        )  # a second Ctrl-C must not cut the clean-up short
+        # a second Ctrl-C must not cut the clean-up short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         for p in procs:
             p.stop()
         print("plaserve cluster: stopped", file=sys.stderr, flush=True)

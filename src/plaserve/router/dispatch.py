@@ -71,9 +71,8 @@ class DispatchCore(Generic[H]):
             raise NoWorkerError("no worker available")
         if exclude:
             worker = self.policy.choose_now(item.job, workers, now)
-        elif (
-            item.job.length_class == LONG and self.held
-        ):  # a long request does not overtake held ones
+        # a long request does not overtake held ones
+        elif item.job.length_class == LONG and self.held:
             worker = None
         else:
             worker = self.policy.choose(item.job, workers, now)
@@ -150,9 +149,8 @@ class Dispatcher:
             return await held.future  # cancelled with the request if the client goes away
         except asyncio.CancelledError:
             f = held.future
-            if (
-                f.done() and not f.cancelled() and f.exception() is None
-            ):  # placed just as the client left
+            # placed just as the client left
+            if f.done() and not f.cancelled() and f.exception() is None:
                 f.result()[0].finish(rid, ok=False, now=self._clock(), worker_fault=False)
                 self.wake()
             raise

@@ -530,9 +530,8 @@ class Router:
             if not ended:
                 await out.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            finish(
-                False, "client_gone", fault=False
-            )  # the client left; closing resp aborts the worker's request
+            # the client left; closing resp aborts the worker's request
+            finish(False, "client_gone", fault=False)
             return out
         finally:
             resp.close()
@@ -651,9 +650,8 @@ def build_app(router: Router) -> web.Application:
     Serve it with ``handler_cancellation=True`` (as :func:`serve` does) so that a client that goes
     away cancels its request, and the worker's request with it.
     """
-    app = web.Application(
-        client_max_size=1 << 30
-    )  # long prompts: the worker enforces its own limits
+    # long prompts: the worker enforces its own limits
+    app = web.Application(client_max_size=1 << 30)
 
     async def lifecycle(app: web.Application):
         await router.start()

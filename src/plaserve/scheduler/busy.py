@@ -16,9 +16,8 @@ class BusyMeter:
 
     def __init__(self, horizon: float = HORIZON_S) -> None:
         self.horizon = horizon
-        self.steps: deque[tuple[float, float]] = (
-            deque()
-        )  # (start, end) of recent steps, oldest first
+        # (start, end) of recent steps, oldest first
+        self.steps: deque[tuple[float, float]] = deque()
         self.since: float | None = None  # when it began to watch
 
     def record(self, start: float, end: float) -> None:

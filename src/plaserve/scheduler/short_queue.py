@@ -81,11 +81,12 @@ class ShortQueue:
         burst) the batch fills the token budget, as fcfs fills a step (docs/POLICIES.md, "Bursts")."""
         c0 = plan.cost.c0
         batch: list[Request] = []
+        # tokens, predicted seconds, earliest deadline of the members on time
         used, work, due = (
             0,
             c0 + plan.rider_time,
             float("inf"),
-        )  # tokens, predicted seconds, earliest deadline of the members on time
+        )
         for r in cands:
             n = tokens(r)
             w = plan.cost.prefill_time(n) - c0

@@ -224,9 +224,8 @@ class _Handlers:
             return await self.pd.import_generation(rid, prompts[0], params, kvp)
         if kvp is None:
             return Generation.submit(self.loop, rid, prompts, params, n)
-        assert (
-            self.pd is not None
-        )  # a prefill for a remote decode: its first choice parks its blocks
+        # a prefill for a remote decode: its first choice parks its blocks
+        assert self.pd is not None
         self.pd.hold(f"{rid}-0")
         try:
             return Generation.submit(self.loop, rid, prompts, params, n)
@@ -434,9 +433,8 @@ class _Handlers:
         called = [False] * len(gen.submissions)
         usage = self._stream_usage(gen, options, sampling.n)
         try:
-            for i in range(
-                len(trackers)
-            ):  # each choice opens with the role, as OpenAI's streams do
+            # each choice opens with the role, as OpenAI's streams do
+            for i in range(len(trackers)):
                 yield R.sse(
                     usage.stamp(
                         R.chat_chunk(
@@ -612,9 +610,8 @@ def build_app(
         )
 
     async def on_error(request: Request, exc: Exception) -> Response:
-        if isinstance(
-            exc, ClientDisconnect
-        ):  # the client left: nobody to answer, nothing to report
+        # the client left: nobody to answer, nothing to report
+        if isinstance(exc, ClientDisconnect):
             count_error(499)
             return Response(status_code=499)
         log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)

@@ -20,12 +20,13 @@ from prometheus_client.registry import Collector
 from plaserve.request import RequestMetrics
 
 LENGTH_CLASSES = ("short", "long")
+# error: no token could be sampled, or the engine failed
 FINISH_REASONS = (
     "stop",
     "length",
     "abort",
     "error",
-)  # error: no token could be sampled, or the engine failed
+)
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

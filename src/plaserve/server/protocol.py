@@ -231,9 +231,8 @@ def parse_sampling(
     if not 1 <= n <= MAX_N:  # an API limit, like --max-queue: the engine takes any n
         raise ApiError(400, f"'n' must be in [1, {MAX_N}], got {n}", param="n")
     best_of = _opt_int(body, "best_of", n)
-    if (
-        best_of != n
-    ):  # best_of > n would rank by cumulative logprob, which plaserve does not compute
+    # best_of > n would rank by cumulative logprob, which plaserve does not compute
+    if best_of != n:
         raise ApiError(
             400, f"only best_of = n is supported, got best_of = {best_of}, n = {n}", param="best_of"
         )

@@ -10,9 +10,8 @@ from plaserve.server.protocol import StreamOptions
 
 DONE = "data: [DONE]\n\n"
 Decode = Callable[[int], str]  # one token id to its text
-_FLOOR = (
-    -9999.0
-)  # what a log-probability of -inf is reported as (JSON has no infinities), as vLLM does
+# what a log-probability of -inf is reported as (JSON has no infinities), as vLLM does
+_FLOOR = -9999.0
 
 
 def sse(payload: dict[str, Any]) -> str:

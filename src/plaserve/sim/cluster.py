@@ -84,9 +84,8 @@ class ClusterConfig:
     report_threshold: int | None = None
     seed: int = 0  # prompt token ids
     frontend_delay_s: float = 0.0
-    engine_overrides: dict[str, Any] = field(
-        default_factory=dict
-    )  # EngineConfig fields on top of the profile's
+    # EngineConfig fields on top of the profile's
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.instances < 1:
@@ -312,9 +311,8 @@ class ClusterSim:
         """Every worker's ``/load`` answer, as the router's monitor records it."""
         for inst in self.instances:
             state = (inst.engine.num_steps, inst.added)
-            if (
-                state != inst.poll_state
-            ):  # an engine that has not stepped or taken work reports the same
+            # an engine that has not stepped or taken work reports the same
+            if state != inst.poll_state:
                 load = inst.engine.load_report()
                 inst.poll_state, inst.poll_value = (
                     state,
@@ -437,9 +435,8 @@ class ClusterSim:
         self._push(0.0, POLL, None)
         self._push(0.0, TICK, None)
         heap, i, n = self._heap, 0, len(arrivals)
-        delay = (
-            self.config.frontend_delay_s
-        )  # each request reaches the router this long after it was sent
+        # each request reaches the router this long after it was sent
+        delay = self.config.frontend_delay_s
         t = 0.0
         limit = float("inf") if stop_at is None else stop_at
         while i < n or self.outstanding:

@@ -91,9 +91,8 @@ class SimProfile:
             sched["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.max_num_seqs is not None:
             sched["max_num_seqs"] = self.max_num_seqs
-        kv_bytes = (
-            self.kv_tokens * DEFAULT_CONFIG.kv_bytes_per_token * 4
-        )  # float32 on the simulator's CPU
+        # float32 on the simulator's CPU
+        kv_bytes = self.kv_tokens * DEFAULT_CONFIG.kv_bytes_per_token * 4
         kwargs: dict[str, Any] = dict(
             policy=policy,
             kv_cache_memory=kv_bytes,
