@@ -2,9 +2,15 @@
 
 For each model (``small``: the embedded default model's shapes, a 25 M Llama, hidden 512, 8 layers, GQA
 8/2 heads; ``qwen05``: Qwen2.5-0.5B's, 494 M), random weights built here by ``transformers``, and for
-each dtype, every system is started in turn (vLLM, ``plaserve serve --policy fcfs``, ``--policy pla``; one server at a time, the client in this
-process), warmed up, and measured with the load generator of ``plaserve bench``
-(:mod:`plaserve.bench.client`: streaming ``/v1/completions``, token-id prompts, ``ignore_eos``):
+each dtype, every system is started (vLLM, ``plaserve serve --policy fcfs``, ``--policy pla``; all
+at once, each idle while another is measured; the client in this process), warmed up, and measured
+with the load generator of ``plaserve bench`` (:mod:`plaserve.bench.client`: streaming
+``/v1/completions``, token-id prompts, ``ignore_eos``) in **interleaved rounds** (``rounds``, default
+2): each round measures every system in turn, the order rotating, and each round draws new prompts.
+This VM's speed moves 2x within minutes (a square matmul measured 706 and 1,766 GFLOP/s a minute
+apart), so systems measured one after the other compared the machine's moods as much as the engines;
+interleaved, a slow spell falls on all of them. Throughput figures are the best of the rounds, trace
+figures the mean of the rounds' replays:
 
 * **prefill** tokens/s at each L: one request of L tokens and ``max_tokens=1``; L / TTFT seen in the
   stream, best of ``prefill_reps`` (a new random prompt each time, so no prefix cache helps);
@@ -161,6 +167,7 @@ class Sizes:
     )
     peak_seconds: float = 0.3
     startup_timeout_s: float = 900.0  # vLLM compiles the model at start-up
+    rounds: int = 2  # every system measured in turn, this many times (run_interleaved)
 
 
 FULL = Sizes()
@@ -181,6 +188,7 @@ QUICK = Sizes(
     peak_size=256,
     peak_reps=2,
     peak_seconds=0.05,
+    rounds=1,
 )
 
 
@@ -412,12 +420,12 @@ def busy_fraction(result: Any) -> float:
     return busy / result.duration_s
 
 
-def measure_prefill(url: str, sizes: Sizes) -> dict[str, float]:
-    """Best prefill tokens/s (L / TTFT) per length."""
+def measure_prefill(url: str, sizes: Sizes, seed: int = 2000) -> dict[str, float]:
+    """Best prefill tokens/s (L / TTFT) per length; ``seed`` picks the prompts."""
     out = {}
     for n in sizes.prefill_lengths:
         ttft = min(
-            replay(url, [TraceRequest(0.0, n, 1)], 2000 + 97 * rep + n).records[0].ttft
+            replay(url, [TraceRequest(0.0, n, 1)], seed + 97 * rep + n).records[0].ttft
             for rep in range(sizes.prefill_reps)
         )
         out[str(n)] = n / ttft
@@ -425,14 +433,15 @@ def measure_prefill(url: str, sizes: Sizes) -> dict[str, float]:
     return out
 
 
-def measure_decode(url: str, sizes: Sizes) -> dict[str, float]:
-    """Best decode tokens/s per batch size (tokens after each first one, first first token to last token)."""
+def measure_decode(url: str, sizes: Sizes, seed: int = 3000) -> dict[str, float]:
+    """Best decode tokens/s per batch size (tokens after each first one, first first token to last
+    token); ``seed`` picks the prompts."""
     out = {}
     for b in sizes.decode_batches:
         best = 0.0
         for rep in range(sizes.decode_reps):
             reqs = [TraceRequest(0.0, sizes.decode_prompt, sizes.decode_tokens)] * b
-            res = replay(url, reqs, 3000 + 101 * rep + b)
+            res = replay(url, reqs, seed + 101 * rep + b)
             first = min(r.arrival + r.ttft for r in res.records)
             last = max(r.arrival + r.e2e for r in res.records)
             best = max(best, sum(r.output_tokens - 1 for r in res.records) / (last - first))
@@ -468,53 +477,154 @@ def next_time_scale(tried: list[dict[str, Any]], target: float, duration: float)
     return last["busy"] * last["wall_s"] / (target * duration)
 
 
-def run_system(
-    proc: PlaserveProcess,
+def measure_throughput(
+    url: str, sizes: Sizes, slice_: list[TraceRequest], round_: int
+) -> dict[str, Any]:
+    """Round ``round_`` of the throughput figures of one running server: prefill, decode, burst. Each
+    round draws new prompts, so that no prefix cache serves a repeated one."""
+    fresh = 100_000 * round_
+    out: dict[str, Any] = {
+        "prefill_tok_s": measure_prefill(url, sizes, 2000 + fresh),
+        "decode_tok_s": measure_decode(url, sizes, 3000 + fresh),
+    }
+    burst = [replace(r, arrival=0.0) for r in slice_]
+    out["burst_wall_s"] = replay(url, burst, 4000 + fresh).duration_s
+    log(f"  burst of {len(slice_)}: {out['burst_wall_s']:.2f} s")
+    return out
+
+
+def replay_trace(
+    url: str, slice_: list[TraceRequest], time_scale: float, seed: int
+) -> dict[str, Any]:
+    """The slice at ``time_scale`` with the prompts of ``seed``: its :func:`trace_summary`."""
+    trace = trace_summary(replay(url, scale_requests(slice_, time_scale=time_scale), seed))
+    trace["time_scale"], trace["seed"] = time_scale, seed
+    log(
+        f"  trace x{time_scale:.4f} seed {seed}: busy {trace['busy']:.0%}, TTFT short p50 "
+        f"{trace['short_p50_ms']:.0f} ms"
+    )
+    return trace
+
+
+def calibrate(
+    url: str, sizes: Sizes, slice_: list[TraceRequest], burst_wall_s: float
+) -> list[dict[str, Any]]:
+    """The replays of the time-scale search on one server (see the module docstring), the first
+    guessed from its burst; each draws new prompts (seed ``TRACE_SEED`` + attempt), since the same
+    ones again would hit the server's prefix cache."""
+    duration = max(slice_[-1].arrival, 1e-3)
+    time_scale = burst_wall_s / (sizes.target_busy * duration)
+    tried: list[dict[str, Any]] = []
+    for attempt in range(sizes.calibration_tries):
+        tried.append(replay_trace(url, slice_, time_scale, TRACE_SEED + attempt))
+        lo, hi = sizes.busy_band
+        if lo <= tried[-1]["busy"] <= hi:
+            break
+        time_scale = next_time_scale(tried, sizes.target_busy, duration)
+    return tried
+
+
+def closest(tried: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """The replay closest to ``target`` busy; of equally close ones (all saturated, say), the most
+    stretched."""
+    return min(tried, key=lambda t: (abs(t["busy"] - target), -t["time_scale"]))
+
+
+def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures over the rounds: the best throughput (others' load and the VM's slow
+    spells only ever take speed away), and the trace figures averaged over the rounds' replays."""
+    best = {
+        kind: {k: max(r[kind][k] for r in rounds) for k in rounds[0][kind]}
+        for kind in ("prefill_tok_s", "decode_tok_s")
+    }
+    traces = [r["trace"] for r in rounds]
+    mean = {
+        k: sum(t[k] for t in traces) / len(traces)
+        if all(t[k] is not None for t in traces)
+        else None
+        for k in ("busy", "wall_s", "short_p50_ms", "short_p99_ms", "long_p50_ms", "long_p99_ms")
+    }
+    return {
+        **best,
+        "burst_wall_s": min(r["burst_wall_s"] for r in rounds),
+        "trace": {**traces[0], **mean},
+        "rounds": rounds,
+        "loadavg_start": rounds[0]["loadavg_start"],
+        "loadavg_end": rounds[-1]["loadavg_end"],
+    }
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def run_interleaved(
+    procs: dict[str, PlaserveProcess],
     sizes: Sizes,
     slice_: list[TraceRequest],
     time_scale: float | None,
-    calibrate: bool,
-    trace_seed: int = TRACE_SEED,
-) -> dict[str, Any]:
-    """Every measurement of one running server. With ``calibrate``, the trace's time scale is searched
-    for (see the module docstring); otherwise ``time_scale`` is used (None: derived from this burst).
-    Each calibration replay draws new prompts (seed ``trace_seed`` + attempt): replaying the same ones
-    again would hit the server's prefix cache. Without ``calibrate`` the trace replays with
-    ``trace_seed``, the prompts of the calibrated replay, which this server has not seen."""
-    url, out = proc.url, {"loadavg_start": os.getloadavg()}
-    t0 = time.perf_counter()
-    log("  warm-up ...")
-    replay(url, [TraceRequest(0.0, n, 2) for n in sizes.prefill_lengths], 1000)
-    replay(url, [TraceRequest(0.0, sizes.decode_prompt, 4)] * max(sizes.decode_batches), 1001)
-    out["prefill_tok_s"] = measure_prefill(url, sizes)
-    out["decode_tok_s"] = measure_decode(url, sizes)
-    out["burst_wall_s"] = replay(url, [replace(r, arrival=0.0) for r in slice_], 4000).duration_s
-    log(f"  burst of {len(slice_)}: {out['burst_wall_s']:.2f} s")
-    duration = max(slice_[-1].arrival, 1e-3)
-    if time_scale is None:
-        time_scale = out["burst_wall_s"] / (sizes.target_busy * duration)
-    tries = sizes.calibration_tries if calibrate else 1
-    out["calibration"] = []
-    for attempt in range(tries):
-        seed = trace_seed + attempt
-        trace = trace_summary(replay(url, scale_requests(slice_, time_scale=time_scale), seed))
-        trace["time_scale"], trace["seed"] = time_scale, seed
-        out["calibration"].append(trace)
-        log(
-            f"  trace x{time_scale:.4f}: busy {trace['busy']:.0%}, TTFT short p50 {trace['short_p50_ms']:.0f} ms"
-        )
-        lo, hi = sizes.busy_band
-        if lo <= trace["busy"] <= hi:
-            break
-        time_scale = next_time_scale(out["calibration"], sizes.target_busy, duration)
-    # The replay closest to the target is the one reported (and the one the other systems replay); of
-    # equally close ones (all saturated, say), the most stretched.
-    out["trace"] = min(
-        out["calibration"], key=lambda t: (abs(t["busy"] - sizes.target_busy), -t["time_scale"])
-    )
-    out["loadavg_end"] = os.getloadavg()
-    out["runtime_s"] = time.perf_counter() - t0
-    return out
+) -> tuple[dict[str, Any], str | None]:
+    """Every measurement of the running servers ``procs``, interleaved: each round measures every
+    system in turn (the order rotating from round to round), so that a slow spell of the machine
+    falls on all of them alike instead of on whichever ran then; each figure is then merged over the
+    rounds (:func:`merge_rounds`). The first system (vLLM) calibrates the trace's time scale first,
+    unless ``time_scale`` is given. Round r's trace replays draw the prompts of one seed for every
+    system, new to all of them (round 0's are those of the calibrated replay, which vLLM has seen:
+    that replay is its round-0 figure). Returns the results by system and the system calibrated on."""
+    names = list(procs)
+    for name in names:
+        log(f"{name}: warm-up ...")
+        url = procs[name].url
+        replay(url, [TraceRequest(0.0, n, 2) for n in sizes.prefill_lengths], 1000)
+        replay(url, [TraceRequest(0.0, sizes.decode_prompt, 4)] * max(sizes.decode_batches), 1001)
+    rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    calibrated_on, seed, calibration = None, TRACE_SEED, None
+    for r in range(sizes.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            log(f"round {r + 1}/{sizes.rounds}, {name}: throughput ...")
+            idle = [procs[n].proc.pid for n in names if n != name and procs[n].proc is not None]
+            before, t0 = sum(map(group_cpu_seconds, idle)), time.perf_counter()
+            rounds[name].append({"loadavg_start": os.getloadavg()})
+            rounds[name][-1].update(measure_throughput(procs[name].url, sizes, slice_, r))
+            # The servers not being measured must be idle: what CPU they took meanwhile, as a
+            # share of one core.
+            took = sum(map(group_cpu_seconds, idle)) - before
+            rounds[name][-1]["others_cpu_share"] = took / (time.perf_counter() - t0)
+            log(
+                f"  the idle servers took {took / (time.perf_counter() - t0):.1%} of a core meanwhile"
+            )
+        if r == 0 and time_scale is None:
+            calibrated_on = names[0]
+            log(f"{calibrated_on}: calibrating the trace ...")
+            calibration = calibrate(
+                procs[calibrated_on].url, sizes, slice_, rounds[calibrated_on][0]["burst_wall_s"]
+            )
+            chosen = closest(calibration, sizes.target_busy)
+            time_scale, seed = chosen["time_scale"], chosen["seed"]
+        assert time_scale is not None
+        round_seed = seed if r == 0 else TRACE_SEED + 1000 + r
+        for name in order:
+            if r == 0 and name == calibrated_on and calibration is not None:
+                trace = closest(calibration, sizes.target_busy)
+            else:
+                log(f"round {r + 1}/{sizes.rounds}, {name}: trace ...")
+                trace = replay_trace(procs[name].url, slice_, time_scale, round_seed)
+            rounds[name][-1]["trace"] = trace
+            rounds[name][-1]["loadavg_end"] = os.getloadavg()
+    out = {name: merge_rounds(rs) for name, rs in rounds.items()}
+    if calibration is not None and calibrated_on is not None:
+        out[calibrated_on]["calibration"] = calibration
+    return out, calibrated_on
 
 
 def measure_peaks(sizes: Sizes, dtypes: list[str], into: dict[str, list[float]]) -> None:
@@ -591,37 +701,31 @@ def run_benchmark(
                 "systems": {},
             }
             results["runs"].setdefault(model, {})[dtype] = block
-            scale, seed = time_scale, TRACE_SEED
-            for system in systems:
+            # Every server at once (an idle one takes no CPU), measured in turn: run_interleaved.
+            procs: dict[str, PlaserveProcess] = {}
+            try:
+                for system in systems:
+                    log(f"{model} {dtype} {system}: starting the server ...")
+                    try:
+                        procs[system] = start_server(
+                            system, model_dir, model, dtype, sizes, vllm_python, threads
+                        )
+                    except RuntimeError as e:
+                        log(f"{model} {dtype} {system} FAILED: {e}")
+                        block["systems"][system] = {"error": str(e)}
                 measure_peaks(sizes, [dtype], peak_runs)
-                log(
-                    f"{model} {dtype} {system}: starting the server (matmul peak {peak_runs[dtype][-1] / 1e9:,.0f} "
-                    f"GFLOP/s) ..."
-                )
-                proc = None
-                try:
-                    proc = start_server(
-                        system, model_dir, model, dtype, sizes, vllm_python, threads
-                    )
-                    r = run_system(
-                        proc,
-                        sizes,
-                        slice_,
-                        scale,
-                        calibrate=system == systems[0] and time_scale is None,
-                        trace_seed=seed,
-                    )
-                except RuntimeError as e:
-                    log(f"{model} {dtype} {system} FAILED: {e}")
-                    block["systems"][system] = {"error": str(e)}
-                    continue
-                finally:
-                    if proc is not None:
-                        proc.stop()
-                # Later systems replay the calibrated trace: its arrivals and its prompts.
-                scale, seed = r["trace"]["time_scale"], r["trace"]["seed"]
-                block["systems"][system] = r
-                block.setdefault("calibrated_on", system)
+                if procs:
+                    measured, calibrated_on = run_interleaved(procs, sizes, slice_, time_scale)
+                    block["systems"].update(measured)
+                    block["calibrated_on"] = calibrated_on or "given"
+            except RuntimeError as e:
+                log(f"{model} {dtype} FAILED: {e}")
+                for system in procs:
+                    block["systems"].setdefault(system, {"error": str(e)})
+            finally:
+                for proc in procs.values():
+                    proc.stop()
+            block["systems"] = {s: block["systems"][s] for s in systems if s in block["systems"]}
     measure_peaks(sizes, dtypes, peak_runs)
     results["peak_flop_s"] = {d: {"measured": v, "used": max(v)} for d, v in peak_runs.items()}
     results["machine"]["loadavg_end"] = os.getloadavg()
