@@ -126,6 +126,8 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.vllm = VllmMetrics(r, model_name)
+        # observe_token_gap's series by length class, looked up on first use
+        self._gap_series: dict[str, tuple[Any, ...]] = {}
         self.requests = Counter(
             "plaserve_requests",
             "Finished requests by length class and finish reason",
@@ -197,9 +199,19 @@ class ServerMetrics:
         self.vllm.ttft.labels(self.vllm.model_name).observe(max(ttft, 0.0))
 
     def observe_token_gap(self, length_class: str, gap: float) -> None:
-        self.tbt.labels(length_class).observe(max(gap, 0.0))
-        for family in (self.vllm.itl, self.vllm.tpot):
-            family.labels(self.vllm.model_name).observe(max(gap, 0.0))
+        """One gap between two tokens of a stream: once a token a request, so the labelled series are
+        looked up once (``labels()`` takes a lock and a dict lookup a call)."""
+        series = self._gap_series.get(length_class)
+        if series is None:
+            name = self.vllm.model_name
+            series = (
+                self.tbt.labels(length_class),
+                self.vllm.itl.labels(name),
+                self.vllm.tpot.labels(name),
+            )
+            self._gap_series[length_class] = series
+        for s in series:
+            s.observe(max(gap, 0.0))
 
     def observe_finish(
         self,
