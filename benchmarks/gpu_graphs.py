@@ -48,19 +48,19 @@ from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.model.loader import LoadedModel, random_model
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported by path
+from engine_speed import QWEN05_SHAPE  # noqa: E402
+
 # Qwen2.5-0.5B's layer shapes as a plain Llama (no q/k/v bias) with a 32k vocabulary and an untied head.
 LLAMA_05B = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=32000,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
+    **{
+        **QWEN05_SHAPE,
+        "architecture": "LlamaForCausalLM",
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "qkv_bias": False,
+        "tie_word_embeddings": False,
+    }
 )
 
 
