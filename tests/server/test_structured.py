@@ -153,6 +153,14 @@ def test_required_and_named_tool_choice_are_enforced(client: openai.OpenAI) -> N
     call = choice.message.tool_calls[0].function
     assert call.name in SCHEMAS
     _check_calls([(call.name, call.arguments)], [call.name])
+    # streamed: the name first, then the arguments in fragments that join to the same text
+    streamed = client.chat.completions.create(
+        tool_choice="required", parallel_tool_calls=False, stream=True, **kw
+    )
+    content, calls, reason = _streamed_calls(streamed)
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.name, call.arguments)]
+    assert calls[0]["pieces"] > 1
 
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(tool_choice=named, n=2, **kw)
