@@ -301,3 +301,25 @@ def test_parsers_read_their_formats(parser: str, text: str, content, calls) -> N
                 got[piece.index][1] += piece.arguments
     assert streamed == (content or "")
     assert [(got[i][0], got[i][1]) for i in sorted(got)] == calls
+
+
+def test_structural_tags_write_calls_the_family_parser_reads(family_server) -> None:
+    """vLLM's structural tags as tool-calling clients use them: the family's call marker as the
+    trigger (a special token in Llama 3 and Mistral, referenced by id; text in Qwen2.5), each
+    function's arguments schema between the call's begin and end. The bias makes the model write the
+    marker; the family's parser reads the calls, whose arguments validate."""
+    family, client, tokenizer = family_server
+    trigger, begin, end = {
+        "hermes": ("<tool_call>", '<tool_call>\n{"name": "%s", "arguments": ', "}\n</tool_call>"),
+        "llama3_json": ("<|python_tag|>", '<|python_tag|>{"name": "%s", "parameters": ', "}"),
+        "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{"name": "%s", "arguments": ', "}]"),
+    }[family]
+    structures = [{"begin": begin % n, "schema": s, "end": end} for n, s in SCHEMAS.items()]
+    tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
+    bias = {str(tokenizer.token_to_id(trigger)): 30}
+    r = _chat(client, messages=history(family), tools=TOOLS, response_format=tag, logit_bias=bias)
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0].message.content
+    _check_calls(
+        [(c.function.name, c.function.arguments) for c in calls], [c.function.name for c in calls]
+    )

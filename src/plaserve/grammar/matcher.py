@@ -149,10 +149,18 @@ class Grammars:
                 )
             return self._index
 
+    def special_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one special token (text can never produce it: a structural
+        tag's trigger such as ``<|python_tag|>`` is referenced by id), else None."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and 0 <= ids[0] < self.vocab_size and self.index.is_special_token(ids[0]):
+            return ids[0]
+        return None
+
     def matcher(self, spec: StructuredOutputs) -> Matcher:
         """A fresh matcher at the start of ``spec``'s grammar; :class:`GrammarError` for a spec that
         does not compile."""
-        inner = llguidance.LLMatcher(self.index, check(spec), log_level=0)
+        inner = llguidance.LLMatcher(self.index, check(spec, special=self.special_id), log_level=0)
         if inner.is_error():
             raise GrammarError(f"cannot compile the grammar: {inner.get_error()}")
         return Matcher(inner, self.vocab_size)
