@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
-import torch
 
 from plaserve.grammar.compile import GrammarError, check
 from plaserve.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -97,11 +96,6 @@ class Matcher:
     def __init__(self, inner: llguidance.LLMatcher, vocab_size: int) -> None:
         self.inner = inner
         self.vocab_size = vocab_size  # the model's logits: one mask bit each
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-token bits into ``bitmask[row]`` (int32, CPU, one bit per token)."""
-        v = bitmask[row]
-        self.inner.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False when the grammar does not allow it (then the matcher is in
