@@ -5,10 +5,12 @@ The mask of a step depends only on the tokens sampled before it, all known when 
 the runner starts the masks first and applies them once the logits exist. The worker does all that
 does not need the logits: llguidance fills the rows' bitmasks in one call for the whole batch
 (without the GIL, and without a Python call per row, which would hand the GIL back and forth with
-the forward pass), and on the CPU numpy unpacks the bits into the rows' banned tokens. What is left
-for the step is one ``masked_fill_`` per run of adjacent constrained rows; the other rows are never
-touched. On a GPU the small bitmask goes to the device and unpacks there. A batch with no
-constrained row starts nothing and pays nothing.
+the forward pass), and on the CPU numpy unpacks the bits into an additive mask, 0 where a token is
+allowed and -inf where it is not. What is left for the step is one ``add_`` per run of adjacent
+constrained rows (branch-free: in the benchmark's steps about half the time of a boolean
+``masked_fill_`` over the same rows); the other rows are never touched. On a GPU the small bitmask
+goes to the device and unpacks there. A batch with no constrained row starts nothing and pays
+nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 _worker: concurrent.futures.ThreadPoolExecutor | None = None
 _executor: llguidance.LLExecutor | None = None
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+# float32 -inf's bits (0.0's are all zero): a banned token's bit times this is its -inf
+_NEG_INF_BITS = np.uint32(0xFF800000)
 
 
 def _pool() -> tuple[concurrent.futures.ThreadPoolExecutor, llguidance.LLExecutor]:
@@ -36,22 +40,26 @@ def _pool() -> tuple[concurrent.futures.ThreadPoolExecutor, llguidance.LLExecuto
     return _worker, _executor
 
 
-def banned_on_cpu(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
-    """The banned tokens of an allowed-token bitmask (int32 words, bit ``j`` of word ``w`` is token
-    ``32 w + j``) as bools ``[rows, vocab]``: numpy unpacks the inverted bytes in one pass (several
-    times faster than torch's shifts on the CPU)."""
-    bits = np.unpackbits(np.invert(bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little")
-    return torch.from_numpy(bits.view(np.bool_))
+def additive_on_cpu(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
+    """An allowed-token bitmask (int32 words, bit ``j`` of word ``w`` is token ``32 w + j``) as an
+    additive float32 mask ``[rows, vocab]``: 0 where a token is allowed, -inf where not. numpy
+    unpacks the inverted bytes in one pass (several times faster than torch's shifts on the CPU) and
+    one multiply writes -inf's bits where a token is banned."""
+    banned = np.unpackbits(
+        np.invert(bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little"
+    )
+    return torch.from_numpy(np.multiply(banned, _NEG_INF_BITS, dtype=np.uint32).view(np.float32))
 
 
-def banned_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """:func:`banned_on_cpu` by shifts, on the bitmask's device (a GPU's)."""
+def additive_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """:func:`additive_on_cpu` by shifts, on the bitmask's device (a GPU's)."""
     bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1  # [k, words, 32]
-    return bits.reshape(len(bitmask), -1)[:, :vocab] == 0
+    banned = bits.reshape(len(bitmask), -1)[:, :vocab] == 0
+    return torch.zeros(banned.shape, device=bitmask.device).masked_fill_(banned, float("-inf"))
 
 
 def _compute(matchers: list[Any], vocab: int, on_cpu: bool) -> tuple[torch.Tensor, float]:
-    """The worker's part: the rows' bitmasks, unpacked into banned tokens on the CPU."""
+    """The worker's part: the rows' bitmasks, unpacked into additive masks on the CPU."""
     start = time.perf_counter()
     words = -(-vocab // 32)
     bitmask = np.zeros((len(matchers), words), dtype=np.int32)
@@ -62,7 +70,7 @@ def _compute(matchers: list[Any], vocab: int, on_cpu: bool) -> tuple[torch.Tenso
         words * 4,
         len(matchers),
     )
-    out = banned_on_cpu(bitmask, vocab) if on_cpu else torch.from_numpy(bitmask)
+    out = additive_on_cpu(bitmask, vocab) if on_cpu else torch.from_numpy(bitmask)
     return out, time.perf_counter() - start
 
 
@@ -88,22 +96,22 @@ class PendingMasks:
         self.apply_s = 0.0  # applying them to the constrained rows' logits
 
     def apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
-        """Set -inf in the constrained rows of ``logits`` ``[len(reqs), vocab]`` (rows in the order
-        of ``reqs``) wherever a row's grammar does not allow the token next. The other rows are not
-        touched."""
+        """Add -inf to the constrained rows of ``logits`` ``[len(reqs), vocab]`` (rows in the order
+        of ``reqs``) wherever a row's grammar does not allow the token next (0 elsewhere: those
+        logits stay exactly as they are). The other rows are not touched."""
         start = time.perf_counter()
-        banned, self.compute_s = self._future.result()
+        mask, self.compute_s = self._future.result()
         self.wait_s = time.perf_counter() - start
         start = time.perf_counter()
         rows = [i for i, r in enumerate(reqs) if id(r) in self._index]
         order = [self._index[id(reqs[i])] for i in rows]
-        if order != list(range(len(banned))):
-            banned = banned[order]
-        if banned.dtype == torch.int32:  # a bitmask for the device to unpack
-            banned = banned_on_device(banned.to(logits.device), logits.shape[-1])
+        if order != list(range(len(mask))):
+            mask = mask[order]
+        if mask.dtype == torch.int32:  # a bitmask for the device to unpack
+            mask = additive_on_device(mask.to(logits.device), logits.shape[-1])
         with torch.inference_mode():  # the logits are an inference tensor
             for k, i, n in _runs(rows):
-                logits[i : i + n].masked_fill_(banned[k : k + n], float("-inf"))
+                logits[i : i + n].add_(mask[k : k + n])
         self.apply_s = time.perf_counter() - start
 
 
