@@ -17,6 +17,7 @@ The model is random-weight with a realistic vocabulary: a 32,000-id byte-level B
 the Python standard library's sources (the size of Llama 2's and Mistral's), 4 layers of 512.
 
     PYTHONPATH=src .venv/bin/python benchmarks/structured.py [--batches 1,16,64] [--steps 24]
+    PYTHONPATH=src .venv/bin/python benchmarks/structured.py --paths   # the step's part, three ways
 """
 
 from __future__ import annotations
@@ -142,6 +143,52 @@ def run(engine: LLMEngine, batch: int, constrained: int, steps: int) -> dict:
     }
 
 
+def paths(engine: LLMEngine, rows_list: list[int], repeats: int = 60) -> None:
+    """What applying the masks of ``rows`` constrained rows costs the step (the engine thread's CPU,
+    10th percentile of ``repeats``), the additive rows plaserve adds against a boolean
+    ``masked_fill_`` per row and per run of rows, and what the worker pays to make them, on the
+    benchmark's masks (its matchers inside the first record's integer, where its steps are)."""
+    vocab = engine.model_config.vocab_size
+    spec = StructuredOutputs(json=json.dumps(SCHEMA))
+    prefix = engine.tokenizer.encode('[{"id": 12', add_special_tokens=False)
+    print(
+        "| constrained rows | worker: bitmasks + additive rows (ms) | add_ per run (ms) | "
+        "masked_fill_ per run (ms) | masked_fill_ per row (ms) |"
+    )
+    print("|---|---|---|---|---|")
+    for n in rows_list:
+        matchers = [engine.grammars.matcher(spec) for _ in range(n)]
+        for m in matchers:
+            for t in prefix:
+                assert m.accept(t)
+        logits = torch.randn(64, vocab)
+        runs = masks_module._runs(list(range(n)))
+        took: dict[str, list[float]] = {k: [] for k in ("worker", "add", "fill_run", "fill_row")}
+
+        def timed(key: str, f) -> object:
+            start = time.thread_time()
+            out = f()
+            took[key].append(time.thread_time() - start)
+            return out
+
+        for _ in range(repeats):
+            mask = timed("worker", lambda: masks_module._compute(matchers, vocab, True)[0])
+            banned = mask < 0
+            timed("add", lambda: [logits[i : i + c].add_(mask[k : k + c]) for k, i, c in runs])
+            timed(
+                "fill_run",
+                lambda: [
+                    logits[i : i + c].masked_fill_(banned[k : k + c], -1e30) for k, i, c in runs
+                ],
+            )
+            timed("fill_row", lambda: [logits[i].masked_fill_(banned[i], -1e30) for i in range(n)])
+        p10 = {k: 1e3 * sorted(v)[len(v) // 10] for k, v in took.items()}
+        print(
+            f"| {n} | {p10['worker']:.2f} | {p10['add']:.2f} | {p10['fill_run']:.2f} | "
+            f"{p10['fill_row']:.2f} |"
+        )
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="1,16,64")
@@ -149,9 +196,18 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--paths",
+        action="store_true",
+        help="instead: what applying the masks costs the step, three ways (see paths())",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     engine = build_engine(args.vocab)
+    if args.paths:
+        with torch.inference_mode():
+            paths(engine, [8, 32, 64])
+        return 0
     run(engine, 2, 1, 4)  # warm-up: kernels, the grammar engine's tokenizer index
     best: dict[tuple[int, int], dict] = {}
     for round_ in range(args.rounds):
