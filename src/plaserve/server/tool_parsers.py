@@ -239,6 +239,8 @@ class ToolStream:
             if at < 0:
                 if not self.marker_seen:
                     self.content_end = len(text) if final else len(text) - _held(text, marker)
+                # the marker cannot begin before this: the next search starts here
+                self.pos = max(self.pos, len(text) - len(marker) + 1)
                 return False
             if not self.marker_seen:
                 self.content_end, self.marker_seen = at, True
