@@ -57,15 +57,18 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None
 @dataclass(frozen=True)
 class StructuredOutputs:
     """What a constrained request's output must match (vLLM's ``StructuredOutputsParams``): exactly one
-    of a JSON schema, any JSON object, a regular expression, a list of choices or a grammar (Lark, or
-    GBNF as llama.cpp and xgrammar write it). The grammar engine (:mod:`plaserve.grammar`) compiles it;
-    a value it cannot compile is refused there, naming the field."""
+    of a JSON schema, any JSON object, a regular expression, a list of choices, a grammar (Lark, or
+    GBNF as llama.cpp and xgrammar write it) or a structural tag (free text with tagged JSON parts).
+    The grammar engine (:mod:`plaserve.grammar`) compiles it; a value it cannot compile is refused
+    there, naming the field."""
 
     json: str | None = None  # a JSON schema, serialised
     json_object: bool = False  # any JSON object
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # vLLM's structural tag: the JSON text of {"structures": [{"begin", "schema", "end"}], "triggers"}
+    structural_tag: str | None = None
     strict: bool = (
         False  # json: OpenAI's strict mode (no undeclared properties, no ignored keywords)
     )
@@ -73,14 +76,14 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         given = [
             name
-            for name in ("json", "regex", "choice", "grammar")
+            for name in ("json", "regex", "choice", "grammar", "structural_tag")
             if getattr(self, name) is not None
         ] + (["json_object"] if self.json_object else [])
         if len(given) != 1:
             raise ParamError(
                 "structured_outputs",
-                "structured outputs take exactly one of json, json_object, regex, choice, grammar"
-                f" (got {', '.join(given) or 'none'})",
+                "structured outputs take exactly one of json, json_object, regex, choice, grammar,"
+                f" structural_tag (got {', '.join(given) or 'none'})",
             )
         if self.choice is not None:
             choice = tuple(self.choice)

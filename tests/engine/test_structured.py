@@ -147,14 +147,36 @@ def test_bad_specs_are_refused_by_name(qwen2_ckpt):
     assert not engine.has_unfinished()
 
 
-def test_both_unpackings_of_a_bitmask_agree() -> None:
-    """The CPU's numpy unpacking and the shifts GPUs run give the same banned tokens."""
+def test_the_cpu_and_device_masks_agree() -> None:
+    """The CPU's numpy unpacking and the shifts GPUs run make the same additive masks (0 where a
+    bit allows a token, -inf where not), and applying a step's masks sets -inf exactly there in the
+    constrained rows, whatever order the logits' rows come in, leaving the other rows untouched."""
+    import concurrent.futures
+
     import torch
 
-    from plaserve.grammar.masks import _banned, _banned_on_device
+    from plaserve.grammar.masks import PendingMasks, additive_on_cpu, additive_on_device
 
-    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, 16), dtype=torch.int32)
-    cpu = _banned(bitmask, 500, torch.device("cpu"))
-    assert torch.equal(cpu, _banned_on_device(bitmask, 500))
+    vocab = 500
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 16), dtype=torch.int32)
+    mask = additive_on_cpu(bitmask.numpy(), vocab)
+    assert mask.shape == (3, vocab) and torch.equal(mask, additive_on_device(bitmask, vocab))
+    assert set(mask.unique().tolist()) == {0.0, float("-inf")}
     word, bit = 3, 7  # token 103: bit 7 of word 3
-    assert cpu[0, 32 * word + bit].item() == (not (int(bitmask[0, word]) >> bit) & 1)
+    banned = not (int(bitmask[0, word]) >> bit) & 1
+    assert mask[0, 32 * word + bit].item() == (float("-inf") if banned else 0.0)
+
+    class Req:  # what the masks read of a request
+        grammar = None
+
+    constrained = [Req() for _ in range(3)]
+    reqs = [Req(), constrained[1], constrained[2], Req(), constrained[0]]
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result((mask, 0.0))
+    logits = torch.randn(5, vocab)
+    masked = logits.clone()
+    PendingMasks(constrained, future).apply(masked, reqs)
+    for row, k in ((1, 1), (2, 2), (4, 0)):
+        expected = logits[row].masked_fill(mask[k] < 0, float("-inf"))
+        assert torch.equal(masked[row], expected)
+    assert torch.equal(masked[[0, 3]], logits[[0, 3]])

@@ -193,6 +193,13 @@ TOOL = {
     "type": "function",
     "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
 }
+
+
+def _tag(*structures: dict, triggers: list[str] | None = None) -> dict:
+    """vLLM's structural-tag response format."""
+    return {"type": "structural_tag", "structures": list(structures), "triggers": triggers or ["<"]}
+
+
 # (endpoint, fields of a request that asks for tools or structured outputs wrongly, the param its 400
 # names, a piece of the message). This server runs without --enable-auto-tool-choice.
 REFUSED = [
@@ -225,8 +232,38 @@ REFUSED = [
     (
         "chat",
         {"extra_body": {"structured_outputs": {"structural_tag": "{}"}}},
-        "structured_outputs",
-        "not supported",
+        "structured_outputs.structural_tag.triggers",
+        "non-empty array",
+    ),
+    (
+        "completions",
+        {"extra_body": {"structured_outputs": {"structural_tag": "{not json"}}},
+        "structured_outputs.structural_tag",
+        "not valid JSON",
+    ),
+    (
+        "chat",
+        {"response_format": _tag({"begin": "<f>", "schema": {}, "end": ""}, triggers=["<g"])},
+        "response_format.structures[0].begin",
+        "starts with none of the triggers",
+    ),
+    (
+        "chat",
+        {"response_format": _tag({"begin": "<f>", "end": "</f>"}, {"begin": "<f>", "schema": 3})},
+        "response_format.structures[0].schema",
+        "must be a JSON schema object",
+    ),
+    (
+        "completions",
+        {"extra_body": {"response_format": _tag({"begin": "<f>", "schema": {"type": "objekt"}})}},
+        "response_format.structures[0].schema",
+        "objekt",
+    ),
+    (
+        "chat",
+        {"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}},
+        "response_format",
+        "'structures' and 'triggers'",
     ),
     (
         "chat",

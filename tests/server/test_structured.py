@@ -125,6 +125,67 @@ def test_regex_choice_and_grammar_on_completions(client: openai.OpenAI, stream: 
     assert answers[0][0] in choices
 
 
+def _tagged_parts(text: str, structures: list[dict]) -> tuple[list[tuple[int, object]], bool]:
+    """The structures in ``text`` (each trigger ``@`` opens one: its begin, JSON, end), as
+    ``(structure, value)`` pairs, and whether the last one is cut short (the answer's end)."""
+    decoder, parts, pos = json.JSONDecoder(), [], 0
+    while (at := text.find("@", pos)) >= 0:
+        k = next((k for k, s in enumerate(structures) if text.startswith(s["begin"], at)), None)
+        rest = text[at:]
+        if k is None:  # only a cut answer may end inside a begin
+            assert any(s["begin"].startswith(rest) for s in structures), text
+            return parts, True
+        start = at + len(structures[k]["begin"])
+        try:
+            value, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            return parts, True  # cut inside the JSON (checked by the caller's finish reason)
+        if not text.startswith(structures[k]["end"], end):
+            assert structures[k]["end"].startswith(text[end:]), text
+            return parts, True
+        parts.append((k, value))
+        pos = end + len(structures[k]["end"])
+    return parts, False
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_structural_tags_make_each_tagged_part_match_its_schema(
+    server, client: openai.OpenAI, stream: bool
+) -> None:
+    """Free text in which each trigger must go on as one of the structures: its begin, JSON of its
+    schema, its end. The bias makes the random model write the trigger ``@`` wherever text is free."""
+    from .test_tools import TIME, WEATHER
+
+    structures = [
+        {"begin": "@weather(", "schema": WEATHER, "end": ")"},
+        {"begin": "@time[", "schema": TIME, "end": "]"},
+    ]
+    tag = {"structures": structures, "triggers": ["@"]}
+    bias = {str(_token_id(server, "@")): 6}
+    answers = _chat(
+        client,
+        stream,
+        response_format={"type": "structural_tag", **tag},
+        logit_bias=bias,
+        max_tokens=120,
+    )
+    answers += _complete(
+        client,
+        stream,
+        extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}},
+        logit_bias=bias,
+        max_tokens=120,
+    )
+    found = 0
+    for text, reason in answers:
+        parts, cut = _tagged_parts(text, structures)
+        assert not cut or reason == "length", text
+        for k, value in parts:
+            jsonschema.validate(value, structures[k]["schema"])
+        found += len(parts)
+    assert found >= 2
+
+
 def test_unconstrained_requests_are_untouched(client: openai.OpenAI) -> None:
     """A request without a grammar answers the same with and without constrained company."""
     import concurrent.futures
@@ -153,6 +214,14 @@ def test_required_and_named_tool_choice_are_enforced(client: openai.OpenAI) -> N
     call = choice.message.tool_calls[0].function
     assert call.name in SCHEMAS
     _check_calls([(call.name, call.arguments)], [call.name])
+    # streamed: the name first, then the arguments in fragments that join to the same text
+    streamed = client.chat.completions.create(
+        tool_choice="required", parallel_tool_calls=False, stream=True, **kw
+    )
+    content, calls, reason = _streamed_calls(streamed)
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [(call.name, call.arguments)]
+    assert calls[0]["pieces"] > 1
 
     named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(tool_choice=named, n=2, **kw)

@@ -128,16 +128,22 @@ def _chat(client: openai.OpenAI, **kw):
 
 
 def _streamed_calls(chunks) -> tuple[str, list[dict], str | None]:
-    """Content, calls (deltas merged by index, as OpenAI's clients merge them) and finish reason."""
+    """Content, calls (deltas merged by index, as OpenAI's clients merge them) and finish reason.
+    Each call comes in OpenAI's pieces: a first delta with its id, type and name (and arguments
+    ""), then argument fragments (counted in ``pieces``) that carry nothing else."""
     content, calls, reason = "", {}, None
     for chunk in chunks:
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for d in choice.delta.tool_calls or []:
-            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-            call["id"] = d.id or call["id"]
-            call["name"] += d.function.name or ""
-            call["arguments"] += d.function.arguments or ""
+            if d.index not in calls:
+                assert d.id and d.type == "function" and d.function.name
+                assert d.function.arguments == ""
+                calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": "", "pieces": 0}
+                continue
+            assert d.id is None and d.function.name is None and d.function.arguments
+            calls[d.index]["arguments"] += d.function.arguments
+            calls[d.index]["pieces"] += 1
         reason = choice.finish_reason or reason
     return content, [calls[i] for i in sorted(calls)], reason
 
@@ -167,11 +173,14 @@ def test_auto_tool_calls_are_parsed_by_the_family_parser(family_server) -> None:
         assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
     assert choice.message.content == ("Let me check.\n" if family == "hermes" else None)
 
+    # streamed: the same content and calls, the arguments in fragments as they were generated
     content, calls, reason = _streamed_calls(_chat(client, stream=True, **kw))
     assert reason == "tool_calls" and content == (choice.message.content or "")
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
+    assert all(c["pieces"] > 1 for c in calls)
+    assert "<tool_call>" not in content and "[TOOL_CALLS]" not in content
 
     # The call and its result go back into the history: the template renders them, the model answers.
     follow = history(family) + [
@@ -201,7 +210,7 @@ def test_the_embedded_models_template_writes_calls_the_hermes_parser_reads() -> 
     """The default model's template renders tools, calls and results Hermes-style, and what it
     writes for an assistant's calls is what `--tool-call-parser hermes` reads back."""
     from plaserve.model.tokenizer import ByteTokenizer
-    from plaserve.server.tool_parsers import HermesParser, ToolCall, parse_final
+    from plaserve.server.tool_parsers import HermesParser, ToolCall
 
     calls = [
         {
@@ -229,7 +238,7 @@ def test_the_embedded_models_template_writes_calls_the_hermes_parser_reads() -> 
         "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n12:00\n</tool_response>" in text
     )
     turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
-    parsed = parse_final(HermesParser(), turn)
+    parsed = HermesParser().parse(turn)
     assert parsed.content == "Checking.\n"
     assert parsed.calls == [
         ToolCall(c["function"]["name"], json.dumps(json.loads(c["function"]["arguments"])))
@@ -243,17 +252,24 @@ def test_the_embedded_models_template_writes_calls_the_hermes_parser_reads() -> 
         ("hermes", 'Hi<tool_call>{"name": "f", "arguments": {"x": 1}}', "Hi", [("f", '{"x": 1}')]),
         ("hermes", "<tool_call>{broken</tool_call>", "<tool_call>{broken</tool_call>", []),
         (
+            "hermes",
+            'A<tool_call>\n{"arguments": {"q": [1, {"z": "}\\""}]}, "name": "g"}\n</tool_call>',
+            "A",
+            [("g", '{"q": [1, {"z": "}\\""}]}')],
+        ),
+        (
             "llama3_json",
             '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "arguments": {"y": "z"}}',
             None,
             [("f", "{}"), ("g", '{"y": "z"}')],
         ),
         ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+        ("llama3_json", '{"name": "f", "parameters": "{\\"a\\": 1}"}', None, [("f", '{"a": 1}')]),
         (
             "mistral",
-            'x[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1]}}]',
+            'x[TOOL_CALLS] [{"name": "f", "arguments": {"a": [1]}}, {"name": "g"}]',
             "x",
-            [("f", '{"a": [1]}')],
+            [("f", '{"a": [1]}'), ("g", "{}")],
         ),
         (
             "mistral",
@@ -261,17 +277,49 @@ def test_the_embedded_models_template_writes_calls_the_hermes_parser_reads() -> 
             None,
             [("f", '{"a": 2}'), ("g", "{}")],
         ),
+        ("required", '[{"name": "f", "parameters": {"b": true}}]', None, [("f", '{"b": true}')]),
     ],
 )
 def test_parsers_read_their_formats(parser: str, text: str, content, calls) -> None:
-    from plaserve.server.tool_parsers import PARSERS, ToolStream, parse_final
+    from plaserve.server.tool_parsers import PARSERS, RequiredParser, ToolStream
 
-    parsed = parse_final(PARSERS[parser](), text)
+    make = RequiredParser if parser == "required" else PARSERS[parser]
+    parsed = make().parse(text)
     assert parsed.content == content
     assert [(c.name, c.arguments) for c in parsed.calls] == calls
-    # streamed a character at a time: the same content and calls, each call once
-    stream, streamed, got = ToolStream(PARSERS[parser]()), "", []
+    # streamed a character at a time: the same content; each call's name once, first, then its
+    # arguments in fragments that join to the finished answer's
+    stream, streamed, got = ToolStream(make()), "", {}
     for end in range(1, len(text) + 1):
-        delta, new = stream.feed(text[:end], end == len(text))
-        streamed, got = streamed + delta, got + new
-    assert streamed == (content or "") and [(c.name, c.arguments) for c in got] == calls
+        delta, pieces = stream.feed(text[:end], end == len(text))
+        streamed += delta
+        for piece in pieces:
+            if piece.name is not None:
+                assert piece.index == len(got) and piece.arguments == ""
+                got[piece.index] = [piece.name, ""]
+            else:
+                got[piece.index][1] += piece.arguments
+    assert streamed == (content or "")
+    assert [(got[i][0], got[i][1]) for i in sorted(got)] == calls
+
+
+def test_structural_tags_write_calls_the_family_parser_reads(family_server) -> None:
+    """vLLM's structural tags as tool-calling clients use them: the family's call marker as the
+    trigger (a special token in Llama 3 and Mistral, referenced by id; text in Qwen2.5), each
+    function's arguments schema between the call's begin and end. The bias makes the model write the
+    marker; the family's parser reads the calls, whose arguments validate."""
+    family, client, tokenizer = family_server
+    trigger, begin, end = {
+        "hermes": ("<tool_call>", '<tool_call>\n{"name": "%s", "arguments": ', "}\n</tool_call>"),
+        "llama3_json": ("<|python_tag|>", '<|python_tag|>{"name": "%s", "parameters": ', "}"),
+        "mistral": ("[TOOL_CALLS]", '[TOOL_CALLS][{"name": "%s", "arguments": ', "}]"),
+    }[family]
+    structures = [{"begin": begin % n, "schema": s, "end": end} for n, s in SCHEMAS.items()]
+    tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
+    bias = {str(tokenizer.token_to_id(trigger)): 30}
+    r = _chat(client, messages=history(family), tools=TOOLS, response_format=tag, logit_bias=bias)
+    calls = r.choices[0].message.tool_calls
+    assert calls, r.choices[0].message.content
+    _check_calls(
+        [(c.function.name, c.function.arguments) for c in calls], [c.function.name for c in calls]
+    )

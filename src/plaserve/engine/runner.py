@@ -255,7 +255,7 @@ class ModelRunner:
         the logits were unusable: see ``sampler.unusable_rows``). For each request that asked for
         logprobs, the sampled token's are appended to ``output_logprobs`` too."""
         # Structured outputs: the constrained rows' masks are computed while the forward pass runs.
-        masks = start_masks([it.request for it in batch.items if it.samples])
+        masks = start_masks([it.request for it in batch.items if it.samples], self.device)
         hidden, packed = self._forward(batch)
         for i, it in enumerate(batch.items):
             if it.request.params.prompt_logprobs is not None:
@@ -267,13 +267,10 @@ class ModelRunner:
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
         # a copy: the penalties change logits in place
         raw = logits[asked].log_softmax(-1) if asked else None
-        banned = None if masks is None else masks.wait(reqs, logits.shape[-1], logits.device)
-        tokens = sample(
-            apply_penalties(logits, reqs),
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            banned,
-        )
+        logits = apply_penalties(logits, reqs)
+        if masks is not None:  # after the penalties and the bias: a bias never undoes the mask
+            masks.apply(logits, reqs)
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         if raw is not None and (
             rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]
         ):

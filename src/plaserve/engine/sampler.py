@@ -105,22 +105,11 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-    banned: tuple[list[int], torch.Tensor] | None = None,
 ) -> list[int | None]:
     """One token per row of ``logits`` ``[N, vocab]`` (float32); None for an unusable row (see
-    :func:`unusable_rows`): that request fails alone, the rest of the batch goes on.
-
-    ``banned``: the structured-output hook, ``(rows, mask)`` with ``mask`` ``[len(rows), vocab]``
-    bool, true where a row's grammar does not allow the token next (``grammar.masks``): those
-    logits become -inf; the other rows are not touched."""
-    if banned is not None:
-        rows, mask = banned
-        with torch.inference_mode():  # the logits are an inference tensor
-            if len(rows) == len(logits):  # every row constrained: one pass
-                logits.masked_fill_(mask.to(logits.device), float("-inf"))
-            else:
-                for k, i in enumerate(rows):
-                    logits[i].masked_fill_(mask[k].to(logits.device), float("-inf"))
+    :func:`unusable_rows`): that request fails alone, the rest of the batch goes on. Rows with
+    structured outputs come with their masks applied (-inf where the grammar forbids a token:
+    ``grammar.masks``)."""
     bad = unusable_rows(logits).tolist()
     out: list[int | None] = logits.argmax(
         -1

@@ -4,12 +4,14 @@ llguidance takes every kind the OpenAI and vLLM APIs ask for: JSON schemas (its 
 enough, ~1 ms for a dozen properties, to compile per request; docs/STRUCTURED.md), regular
 expressions and Lark grammars. Choices become a Lark alternation of literal strings; GBNF grammars
 (``root ::= ...``, what llama.cpp and xgrammar take, and what vLLM users send as ``guided_grammar``)
-are translated to Lark by llguidance's converter.
+are translated to Lark by llguidance's converter; structural tags (free text with tagged JSON parts)
+become a Lark grammar of lazy triggers (:func:`structural_tag_grammar`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -25,6 +27,7 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": ": ",
 }
 ANY_JSON_OBJECT = {"type": "object"}
+_MISSING = object()
 
 
 class GrammarError(ValueError):
@@ -73,8 +76,91 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text)  # a JSON string literal is a Lark string literal
 
 
-def grammar_of(spec: StructuredOutputs) -> str:
-    """llguidance's grammar for ``spec`` (not yet checked: see :func:`check`)."""
+SpecialToken = Callable[[str], "int | None"]  # a text's id if it is one special token, else None
+
+
+def structural_tag_grammar(
+    tag: str, param: str = "structured_outputs.structural_tag", special: SpecialToken | None = None
+) -> str:
+    """llguidance's Lark grammar of vLLM's structural tag (the JSON text of ``{"structures":
+    [{"begin", "schema", "end"}, ...], "triggers": [...]}``): free text, in which a trigger, once
+    generated, must go on as one of the structures whose ``begin`` starts with it: the rest of
+    ``begin``, JSON matching ``schema``, then ``end``; then free text again. A trigger is a lazy
+    lexeme (the free text ends at its first occurrence); one that is a special token of the
+    tokenizer (``special``: the engine knows, a check without the tokenizer does not) is referenced
+    by its id, as text could never produce it. A bad form is a :class:`GrammarError` naming its field
+    under ``param``."""
+    try:
+        value = json.loads(tag)
+    except json.JSONDecodeError as e:
+        raise GrammarError(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(value, dict):
+        raise GrammarError(f"{param} must be an object with 'structures' and 'triggers'", param)
+    triggers, structures = value.get("triggers"), value.get("structures")
+    if (
+        not isinstance(triggers, list)
+        or not triggers
+        or not all(isinstance(t, str) and t for t in triggers)
+    ):
+        raise GrammarError(
+            f"{param}.triggers must be a non-empty array of non-empty strings", f"{param}.triggers"
+        )
+    if not isinstance(structures, list) or not structures:
+        raise GrammarError(
+            f"{param}.structures must be a non-empty array of objects", f"{param}.structures"
+        )
+    lines = ["%llguidance {}", "TAG_TEXT: /(.|\\n)*/"]
+    for i, s in enumerate(structures):
+        where = f"{param}.structures[{i}]"
+        if not isinstance(s, dict):
+            raise GrammarError(f"{where} must be an object with begin, schema and end", where)
+        begin, end, schema = s.get("begin"), s.get("end", ""), s.get("schema", _MISSING)
+        if not isinstance(begin, str) or not begin:
+            raise GrammarError(f"{where}.begin must be a non-empty string", f"{where}.begin")
+        if not isinstance(end, str):
+            raise GrammarError(f"{where}.end must be a string", f"{where}.end")
+        trigger = max((t for t in triggers if begin.startswith(t)), key=len, default=None)
+        if trigger is None:
+            raise GrammarError(
+                f"{where}.begin {begin!r} starts with none of the triggers {triggers}",
+                f"{where}.begin",
+            )
+        if schema is _MISSING or not isinstance(schema, dict):
+            raise GrammarError(f"{where}.schema must be a JSON schema object", f"{where}.schema")
+        try:
+            error = llguidance.LLMatcher.validate_grammar(json_schema_grammar(schema))
+        except GrammarError as e:
+            error = str(e)
+        if error:
+            raise GrammarError(f"{where}.schema: {error.strip()}", f"{where}.schema")
+        options = {**JSON_OPTIONS, "lenient": True}
+        body = " ".join(
+            part
+            for part in (
+                _lark_literal(begin[len(trigger) :]) if begin != trigger else "",
+                "%json " + json.dumps({**schema, "x-guidance": options}),
+                _lark_literal(end) if end else "",
+            )
+            if part
+        )
+        token = special(trigger) if special is not None else None
+        if token is not None:  # a special token: the free text cannot contain it, nothing is lazy
+            lines.append(f"tag_{i}: TAG_TEXT <[{token}]> {body}")
+        else:
+            lines.append(f"tag_{i}_trigger[lazy]: TAG_TEXT {_lark_literal(trigger)}")
+            lines.append(f"tag_{i}: tag_{i}_trigger {body}")
+    tags = " | ".join(f"tag_{i}" for i in range(len(structures)))
+    lines.insert(1, f"start: ({tags})* TAG_TEXT")
+    return "\n".join(lines) + "\n"
+
+
+def grammar_of(
+    spec: StructuredOutputs, param: str = "structured_outputs", special: SpecialToken | None = None
+) -> str:
+    """llguidance's grammar for ``spec`` (not yet checked: see :func:`check`); ``param`` and
+    ``special``: see :func:`structural_tag_grammar`."""
+    if spec.structural_tag is not None:
+        return structural_tag_grammar(spec.structural_tag, param, special)
     if spec.json is not None:
         return json_schema_grammar(spec.json, strict=spec.strict)
     if spec.json_object:
@@ -94,13 +180,16 @@ def grammar_of(spec: StructuredOutputs) -> str:
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
-def check(spec: StructuredOutputs, param: str = "structured_outputs") -> str:
-    """The checked grammar of ``spec``; :class:`GrammarError` naming ``param`` (the request's field)
-    with llguidance's message for one it cannot compile (a bad schema, regex or grammar)."""
+def check(
+    spec: StructuredOutputs, param: str = "structured_outputs", special: SpecialToken | None = None
+) -> str:
+    """The checked grammar of ``spec``; :class:`GrammarError` naming ``param`` (the request's field;
+    a structural tag's errors name the field inside it) with llguidance's message for one it cannot
+    compile (a bad schema, regex or grammar)."""
     try:
-        grammar = grammar_of(spec)
+        grammar = grammar_of(spec, param, special)
     except GrammarError as e:
-        raise GrammarError(str(e), param) from None
+        raise GrammarError(str(e), e.param if spec.structural_tag is not None else param) from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise GrammarError(f"cannot compile the {_kind(spec)}: {error.strip()}", param)
@@ -108,6 +197,8 @@ def check(spec: StructuredOutputs, param: str = "structured_outputs") -> str:
 
 
 def _kind(spec: StructuredOutputs) -> str:
+    if spec.structural_tag is not None:
+        return "structural tag"
     if spec.json is not None:
         return "JSON schema"
     if spec.regex is not None:

@@ -1,10 +1,16 @@
 """A step's token masks: computed for the constrained rows only, on a worker thread while the forward
-pass runs, and unpacked into the ``(rows, allowed)`` pair the sampler applies.
+pass runs, and applied to those rows' logits once they exist.
 
 The mask of a step depends only on the tokens sampled before it, all known when the step starts, so
-the runner starts the masks first and collects them once the logits exist; llguidance computes them
-without the GIL, so they overlap with the forward pass. A batch with no constrained row starts
-nothing and pays nothing.
+the runner starts the masks first and applies them once the logits exist. The worker does all that
+does not need the logits: llguidance fills the rows' bitmasks in one call for the whole batch
+(without the GIL, and without a Python call per row, which would hand the GIL back and forth with
+the forward pass), and on the CPU numpy unpacks the bits into an additive mask, 0 where a token is
+allowed and -inf where it is not. What is left for the step is one ``add_`` per run of adjacent
+constrained rows (branch-free: in the benchmark's steps about half the time of a boolean
+``masked_fill_`` over the same rows); the other rows are never touched. On a GPU the small bitmask
+goes to the device and unpacks there. A batch with no constrained row starts nothing and pays
+nothing.
 """
 
 from __future__ import annotations
@@ -14,25 +20,69 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import llguidance
 import numpy as np
 import torch
 
 _worker: concurrent.futures.ThreadPoolExecutor | None = None
+_executor: llguidance.LLExecutor | None = None
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+# float32 -inf's bits (0.0's are all zero): a banned token's bit times this is its -inf
+_NEG_INF_BITS = np.uint32(0xFF800000)
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _worker
+def _pool() -> tuple[concurrent.futures.ThreadPoolExecutor, llguidance.LLExecutor]:
+    global _worker, _executor
     if _worker is None:
         _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plaserve-masks")
-    return _worker
+        _executor = llguidance.LLExecutor(1)  # one thread: the forward pass has the others
+    assert _executor is not None
+    return _worker, _executor
 
 
-def _fill(matchers: list[Any], bitmask: torch.Tensor) -> tuple[torch.Tensor, float]:
+def additive_on_cpu(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
+    """An allowed-token bitmask (int32 words, bit ``j`` of word ``w`` is token ``32 w + j``) as an
+    additive float32 mask ``[rows, vocab]``: 0 where a token is allowed, -inf where not. numpy
+    unpacks the inverted bytes in one pass (several times faster than torch's shifts on the CPU) and
+    one multiply writes -inf's bits where a token is banned."""
+    banned = np.unpackbits(
+        np.invert(bitmask).view(np.uint8), axis=1, count=vocab, bitorder="little"
+    )
+    return torch.from_numpy(np.multiply(banned, _NEG_INF_BITS, dtype=np.uint32).view(np.float32))
+
+
+def additive_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """:func:`additive_on_cpu` by shifts, on the bitmask's device (a GPU's)."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1  # [k, words, 32]
+    banned = bits.reshape(len(bitmask), -1)[:, :vocab] == 0
+    return torch.zeros(banned.shape, device=bitmask.device).masked_fill_(banned, float("-inf"))
+
+
+def _compute(matchers: list[Any], vocab: int, on_cpu: bool) -> tuple[torch.Tensor, float]:
+    """The worker's part: the rows' bitmasks, unpacked into additive masks on the CPU."""
     start = time.perf_counter()
-    for k, m in enumerate(matchers):
-        m.fill(bitmask, k)
-    return bitmask, time.perf_counter() - start
+    words = -(-vocab // 32)
+    bitmask = np.zeros((len(matchers), words), dtype=np.int32)
+    _, executor = _pool()
+    executor.unsafe_compute_mask_ptr(
+        [(m.inner, k) for k, m in enumerate(matchers)],
+        bitmask.ctypes.data,
+        words * 4,
+        len(matchers),
+    )
+    out = additive_on_cpu(bitmask, vocab) if on_cpu else torch.from_numpy(bitmask)
+    return out, time.perf_counter() - start
+
+
+def _runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``rows`` as runs of adjacent ascending rows: ``(index in rows, first row, length)``."""
+    out: list[tuple[int, int, int]] = []
+    for k, r in enumerate(rows):
+        if out and out[-1][1] + out[-1][2] == r:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((k, r, 1))
+    return out
 
 
 class PendingMasks:
@@ -41,51 +91,38 @@ class PendingMasks:
     def __init__(self, reqs: list[Any], future: concurrent.futures.Future) -> None:
         self._index = {id(r): k for k, r in enumerate(reqs)}
         self._future = future
-        self.compute_s = 0.0  # the worker's time computing the masks
-        self.wait_s = 0.0  # the part the sampler waited for (not hidden behind the forward pass)
-        self.unpack_s = 0.0  # unpacking the bits into the banned-token rows
+        self.compute_s = 0.0  # the worker's time computing (and, on the CPU, unpacking) the masks
+        self.wait_s = 0.0  # the part the step waited for (not hidden behind the forward pass)
+        self.apply_s = 0.0  # applying them to the constrained rows' logits
 
-    def wait(
-        self, reqs: Sequence[Any], vocab: int, device: torch.device
-    ) -> tuple[list[int], torch.Tensor]:
-        """``(rows, banned)``: the rows of ``reqs`` (the order of the logits) that are constrained,
-        and the tokens each may not take next, a bool tensor ``[len(rows), vocab]`` on ``device``."""
+    def apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
+        """Add -inf to the constrained rows of ``logits`` ``[len(reqs), vocab]`` (rows in the order
+        of ``reqs``) wherever a row's grammar does not allow the token next (0 elsewhere: those
+        logits stay exactly as they are). The other rows are not touched."""
         start = time.perf_counter()
-        bitmask, self.compute_s = self._future.result()
+        mask, self.compute_s = self._future.result()
         self.wait_s = time.perf_counter() - start
+        start = time.perf_counter()
         rows = [i for i, r in enumerate(reqs) if id(r) in self._index]
         order = [self._index[id(reqs[i])] for i in rows]
-        packed = bitmask[order] if order != list(range(len(bitmask))) else bitmask
-        start = time.perf_counter()
-        banned = _banned(packed, vocab, device)
-        self.unpack_s = time.perf_counter() - start
-        return rows, banned
+        if order != list(range(len(mask))):
+            mask = mask[order]
+        if mask.dtype == torch.int32:  # a bitmask for the device to unpack
+            mask = additive_on_device(mask.to(logits.device), logits.shape[-1])
+        with torch.inference_mode():  # the logits are an inference tensor
+            for k, i, n in _runs(rows):
+                logits[i : i + n].add_(mask[k : k + n])
+        self.apply_s = time.perf_counter() - start
 
 
-def _banned(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
-    """The complement of an allowed-token bitmask (int32 words, bit ``j`` of word ``w`` is token
-    ``32 w + j``) as bools. On the CPU numpy unpacks the bytes in one pass (several times faster
-    than torch's shifts); elsewhere the small bitmask goes to the device and unpacks there."""
-    if device.type == "cpu":
-        inverted = np.invert(bitmask.numpy()).view(np.uint8)
-        bits = np.unpackbits(inverted, axis=1, bitorder="little")[:, :vocab]
-        return torch.from_numpy(bits).view(torch.bool)
-    return _banned_on_device(bitmask.to(device, non_blocking=True), vocab)
-
-
-def _banned_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """:func:`_banned` by shifts, where ``bitmask`` is (a GPU's)."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1  # [k, words, 32]
-    return bits.reshape(len(bitmask), -1)[:, :vocab] == 0
-
-
-def start_masks(reqs: Sequence[Any]) -> PendingMasks | None:
-    """Start computing the masks of ``reqs`` (the requests a step samples) that carry a grammar
-    matcher (``req.grammar``); None when none does."""
+def start_masks(reqs: Sequence[Any], device: torch.device | None = None) -> PendingMasks | None:
+    """Start computing the masks of ``reqs`` (the requests a step samples, logits on ``device``:
+    the CPU by default) that carry a grammar matcher (``req.grammar``); None when none does."""
     constrained = [r for r in reqs if r.grammar is not None]
     if not constrained:
         return None
-    words = -(-constrained[0].grammar.vocab_size // 32)
-    bitmask = torch.zeros((len(constrained), words), dtype=torch.int32)
-    future = _pool().submit(_fill, [r.grammar for r in constrained], bitmask)
+    worker, _ = _pool()
+    on_cpu = device is None or device.type == "cpu"
+    matchers = [r.grammar for r in constrained]
+    future = worker.submit(_compute, matchers, matchers[0].vocab_size, on_cpu)
     return PendingMasks(constrained, future)

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import llguidance
-import torch
 
 from plaserve.grammar.compile import GrammarError, check
 from plaserve.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -98,11 +97,6 @@ class Matcher:
         self.inner = inner
         self.vocab_size = vocab_size  # the model's logits: one mask bit each
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the allowed-token bits into ``bitmask[row]`` (int32, CPU, one bit per token)."""
-        v = bitmask[row]
-        self.inner.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False when the grammar does not allow it (then the matcher is in
         an error state for good)."""
@@ -149,10 +143,18 @@ class Grammars:
                 )
             return self._index
 
+    def special_id(self, text: str) -> int | None:
+        """The id of ``text`` if it is one special token (text can never produce it: a structural
+        tag's trigger such as ``<|python_tag|>`` is referenced by id), else None."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and 0 <= ids[0] < self.vocab_size and self.index.is_special_token(ids[0]):
+            return ids[0]
+        return None
+
     def matcher(self, spec: StructuredOutputs) -> Matcher:
         """A fresh matcher at the start of ``spec``'s grammar; :class:`GrammarError` for a spec that
         does not compile."""
-        inner = llguidance.LLMatcher(self.index, check(spec), log_level=0)
+        inner = llguidance.LLMatcher(self.index, check(spec, special=self.special_id), log_level=0)
         if inner.is_error():
             raise GrammarError(f"cannot compile the grammar: {inner.get_error()}")
         return Matcher(inner, self.vocab_size)

@@ -59,8 +59,7 @@ from plaserve.server.protocol import (
 )
 from plaserve.server.tool_parsers import PARSERS, ToolParser, ToolStream
 from plaserve.server.tools import (
-    NamedParser,
-    call_json,
+    delta_json,
     finish_reason,
     output_parser,
     template_messages,
@@ -427,7 +426,7 @@ class _Handlers:
     ) -> AsyncIterator[str]:
         created, name = int(time.time()), self.model_name
         trackers = [DeltaTracker(sampling.stop) for _ in gen.submissions]
-        # Tool calls: each choice's text so far, read by its parser into content and whole calls.
+        # Tool calls: each choice's text so far, read by its parser into content and call pieces.
         tool_streams = [ToolStream(parser) for _ in gen.submissions] if parser else []
         texts = [""] * len(gen.submissions)
         called = [False] * len(gen.submissions)
@@ -449,23 +448,13 @@ class _Handlers:
                     reason = out.outputs[0].finish_reason if out.finished else None
                     new = trackers[i].new_logprobs(out.outputs[0].logprobs)
                     logprobs = None if new is None else R.chat_logprobs(new, self._decode)
-                    if isinstance(parser, NamedParser):  # the text is the arguments: stream them
-                        delta = parser.delta(text, first=not called[i])
-                        called[i] = True
-                        reason = finish_reason(parser, True, reason)
-                        yield R.sse(
-                            usage.stamp(
-                                R.chat_chunk(rid, created, name, i, delta, reason, logprobs)
-                            )
-                        )
-                        continue
                     if parser is not None:
                         texts[i] += text
                         answer = self._answer_text(texts[i], out.finished)
                         text, calls = tool_streams[i].feed(answer, out.finished)
-                        if calls:
-                            first, called[i] = tool_streams[i].calls_sent - len(calls), True
-                            delta = {"tool_calls": call_json(parser, calls, first)}
+                        for call in calls:  # a call's name, then its arguments as they come
+                            called[i] = True
+                            delta = delta_json(parser, call)
                             yield R.sse(
                                 usage.stamp(R.chat_chunk(rid, created, name, i, delta, None))
                             )

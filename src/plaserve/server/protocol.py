@@ -9,7 +9,7 @@ live in :mod:`plaserve.server.prompts`.
 Type errors (a missing required field, a string where a number belongs) are 422, as FastAPI/pydantic
 report them; values of the right type but out of range are 400, as OpenAI and vLLM report them.
 Unknown fields are ignored, as OpenAI clients send extras (``user``, ``metadata``, ...); known fields that
-ask for what plaserve does not do (``suffix``, structural tags) are refused with a 400 instead, since
+ask for what plaserve does not do (``suffix``) are refused with a 400 instead, since
 ignoring them would answer a different question than the one asked. Structured outputs
 (``response_format``, ``structured_outputs``, ``guided_*``) are compiled here, so a bad schema, regex or
 grammar is a 400 naming its field before the engine sees the request; tools are
@@ -303,7 +303,7 @@ _GUIDED_FIELDS = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
-_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 def _structured_value(name: str, kind: str, value: Any) -> dict[str, Any]:
@@ -322,6 +322,9 @@ def _structured_value(name: str, kind: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
             raise _type_error(name, "an array of strings", value)
         return {"choice": tuple(value)}
+    if kind == "structural_tag":  # vLLM takes its JSON text; its object is taken too
+        if isinstance(value, dict):
+            return {"structural_tag": json.dumps(value)}
     if not isinstance(value, str):
         raise _type_error(name, "a string", value)
     return {kind: value}
@@ -340,6 +343,16 @@ def _parse_response_format(value: Any) -> tuple[dict[str, Any], str] | None:
         return None
     if kind == "json_object":
         return {"json_object": True}, name
+    if kind == "structural_tag":  # vLLM's: the structures and triggers sit in response_format
+        if "format" in value and "structures" not in value:
+            raise ApiError(
+                400,
+                "response_format structural_tag takes vLLM's 'structures' and 'triggers' form "
+                "(not 'format')",
+                param=name,
+            )
+        tag = {k: value.get(k) for k in ("structures", "triggers")}
+        return {"structural_tag": json.dumps(tag)}, name
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
@@ -354,7 +367,8 @@ def _parse_response_format(value: Any) -> tuple[dict[str, Any], str] | None:
         }, name
     raise ApiError(
         400,
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        "response_format type must be 'text', 'json_object', 'json_schema' or 'structural_tag', "
+        f"got {kind!r}",
         param=name,
     )
 
@@ -372,17 +386,13 @@ def parse_structured(body: dict) -> tuple[StructuredOutputs, str] | None:
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise _type_error("structured_outputs", "an object", outputs)
-        if outputs.get("structural_tag") is not None:
-            raise ApiError(
-                400,
-                "structured_outputs.structural_tag is not supported",
-                param="structured_outputs",
-            )
         fields: dict[str, Any] = {}
         for key in _STRUCTURED_KEYS:
             if outputs.get(key) not in (None, False):
                 fields.update(_structured_value(f"structured_outputs.{key}", key, outputs[key]))
-        found.append((fields, "structured_outputs"))
+        # a structural tag's errors name the field inside it
+        where = "structured_outputs.structural_tag" if "structural_tag" in fields else None
+        found.append((fields, where if where and len(fields) == 1 else "structured_outputs"))
     for name, kind in _GUIDED_FIELDS.items():
         if body.get(name) is not None:
             found.append((_structured_value(name, kind, body[name]), name))

@@ -18,7 +18,13 @@ from typing import Any
 from plaserve.grammar import GrammarError, check
 from plaserve.request import StructuredOutputs
 from plaserve.server.errors import ApiError
-from plaserve.server.tool_parsers import Parsed, RequiredParser, ToolCall, ToolParser, parse_final
+from plaserve.server.tool_parsers import (
+    CallDelta,
+    NamedParser,
+    RequiredParser,
+    ToolCall,
+    ToolParser,
+)
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -172,27 +178,6 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-class NamedParser(ToolParser):
-    """A named ``tool_choice``: the grammar made the whole answer the function's arguments."""
-
-    name = "named"
-
-    def __init__(self, function: str) -> None:
-        self.function = function
-
-    def parse(self, text: str, final: bool) -> Parsed:
-        return Parsed(None, [ToolCall(self.function, text)] if final else [], True)
-
-    def delta(self, arguments: str, first: bool) -> dict[str, Any]:
-        """A stream delta of the call's arguments as they come (OpenAI's shape: the first delta
-        carries the call's id, type and name)."""
-        call: dict[str, Any] = {"index": 0, "function": {"arguments": arguments}}
-        if first:
-            call = {"index": 0, "id": self.new_id(), "type": "function"}
-            call["function"] = {"name": self.function, "arguments": arguments}
-        return {"tool_calls": [call]}
-
-
 def output_parser(tools: Tools | None, auto: ToolParser | None) -> ToolParser | None:
     """What reads a choice's tool calls: the grammar's form for ``required`` and named functions, the
     server's ``--tool-call-parser`` for ``auto``; None when the answer is text only."""
@@ -205,17 +190,33 @@ def output_parser(tools: Tools | None, auto: ToolParser | None) -> ToolParser | 
     return auto
 
 
-def call_json(parser: ToolParser, calls: list[ToolCall], first_index: int = 0) -> list[dict]:
-    """Calls in OpenAI's shape (with ``index`` for stream deltas when ``first_index`` >= 0)."""
+def call_json(parser: ToolParser, calls: list[ToolCall]) -> list[dict]:
+    """A finished answer's calls in OpenAI's shape."""
     return [
         {
-            "index": first_index + k,
             "id": parser.new_id(),
             "type": "function",
             "function": {"name": c.name, "arguments": c.arguments},
         }
-        for k, c in enumerate(calls)
+        for c in calls
     ]
+
+
+def delta_json(parser: ToolParser, delta: CallDelta) -> dict[str, Any]:
+    """A stream's ``delta`` of one call piece, in OpenAI's shape: the call's first carries its
+    ``id``, ``type`` and name (and ``arguments`` ""), the next ones the arguments' next fragment."""
+    if delta.name is not None:
+        return {
+            "tool_calls": [
+                {
+                    "index": delta.index,
+                    "id": parser.new_id(),
+                    "type": "function",
+                    "function": {"name": delta.name, "arguments": ""},
+                }
+            ]
+        }
+    return {"tool_calls": [{"index": delta.index, "function": {"arguments": delta.arguments}}]}
 
 
 def finish_reason(parser: ToolParser, called: bool, reason: str | None) -> str | None:
@@ -228,9 +229,12 @@ def finish_reason(parser: ToolParser, called: bool, reason: str | None) -> str |
 
 def tool_message(parser: ToolParser, text: str, reason: str | None) -> tuple[dict, str | None]:
     """A finished choice's assistant message (content and tool calls) and its finish reason."""
-    parsed = parse_final(parser, text)
+    parsed = parser.parse(text)
     if not parsed.calls:
         return {"role": "assistant", "content": text}, reason
-    calls = [{k: v for k, v in c.items() if k != "index"} for c in call_json(parser, parsed.calls)]
-    message = {"role": "assistant", "content": parsed.content, "tool_calls": calls}
+    message = {
+        "role": "assistant",
+        "content": parsed.content,
+        "tool_calls": call_json(parser, parsed.calls),
+    }
     return message, finish_reason(parser, True, reason)
