@@ -435,6 +435,27 @@ def test_long_prefills_stay_chunked_while_the_machine_is_busy(light_load):
     assert len(long.metrics.prefill_chunks) > 1
 
 
+@pytest.mark.parametrize(
+    ("gap", "share", "whole"), [(0.06, (0.3, 0.5), True), (0.035, (0.5, 1), False)]
+)
+def test_the_default_light_load_threshold_is_half_busy(gap, share, whole):
+    # Shorts every ``gap`` seconds keep the machine busy ``share`` of the 10 s before a long prompt
+    # arrives with no short waiting. Under half busy (the default threshold; the light loads
+    # reach 40 %) it runs whole, as fcfs runs it; over half busy it is cut into chunks.
+    shorts = [A(gap * i, 200, 1) for i in range(int(18 / gap))]
+    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never")
+    assert engine.scheduler.config.light_load == 0.5
+    reqs = replay(engine, clock, sorted(shorts + [A(15.01, 1800, 1)], key=lambda a: a.arrival))
+    (long,) = [r for r in reqs if r.num_prompt_tokens == 1800]
+    busy = sum(
+        min(end, 15.0) - max(start, 5.0)
+        for start, end, _ in runner.batches
+        if start < 15.0 and end > 5.0
+    )
+    assert share[0] < busy / 10.0 < share[1]
+    assert (len(long.metrics.prefill_chunks) == 1) is whole
+
+
 def test_busy_meter_reads_the_share_of_its_horizon_after_watching_one():
     meter = BusyMeter(horizon=10.0)
     meter.record(0.0, 1.0)
