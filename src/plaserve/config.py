@@ -30,7 +30,7 @@ class SchedulerConfig:
     long_aging: float = (
         0.1  # pla: long queue order = predicted prefill time - long_aging * time waited
     )
-    light_load: float = 0.3  # pla: below this busy share of the last 10 s (and no short waiting) a long prefill runs whole (0: never)
+    light_load: float = 0.5  # pla: below this busy share of the last 10 s (and no short waiting) a long prefill runs whole (0: never)
     late_yield: float = 2.0  # pla: a request given up to keep others on time queues behind them until it has waited this many SLOs (0: never)
     static_short_batches: bool = (
         True  # pla: right-pad short batches to their (batch, bucket) grid shape

@@ -41,6 +41,13 @@ def dispatch_time(runner: CostRunner, req) -> float:
     return next(start for start, _, b in runner.batches if any(it.request is req for it in b.items))
 
 
+def busy_share(runner: CostRunner, t0: float, t1: float) -> float:
+    """The share of ``[t0, t1]`` that steps ran: what the busy meter reads at ``t1``."""
+    return sum(min(e, t1) - max(s, t0) for s, e, _ in runner.batches if s < t1 and e > t0) / (
+        t1 - t0
+    )
+
+
 def record_ready(engine: LLMEngine) -> dict:
     """Wrap the scheduler's step to log, for every short request it dispatches, when it became ready
     (its batch's window closed, or it rode along a long chunk): the head-of-line guarantee's start."""
@@ -426,13 +433,26 @@ def test_long_prefills_stay_chunked_while_the_machine_is_busy(light_load):
     if light_load == 1.0:
         assert len(long.metrics.prefill_chunks) == 1
         return
-    busy = sum(
-        min(end, 15.0) - max(start, 5.0)
-        for start, end, _ in runner.batches
-        if start < 15.0 and end > 5.0
-    )
-    assert busy / 10.0 > 0.3  # the busy share pla reads when the long prompt arrives
+    assert (
+        busy_share(runner, 5.0, 15.0) > 0.3
+    )  # the busy share pla reads when the long prompt arrives
     assert len(long.metrics.prefill_chunks) > 1
+
+
+@pytest.mark.parametrize(
+    ("gap", "share", "whole"), [(0.06, (0.3, 0.5), True), (0.035, (0.5, 1), False)]
+)
+def test_the_default_light_load_threshold_is_half_busy(gap, share, whole):
+    # Shorts every ``gap`` seconds keep the machine busy ``share`` of the 10 s before a long prompt
+    # arrives with no short waiting. Under half busy (the default threshold; the issue's light loads
+    # reach 40 %) it runs whole, as fcfs runs it; over half busy it is cut into chunks.
+    shorts = [A(gap * i, 200, 1) for i in range(int(18 / gap))]
+    engine, clock, runner = sim_engine(policy="pla", pad_short_batches="never")
+    assert engine.scheduler.config.light_load == 0.5
+    reqs = replay(engine, clock, sorted(shorts + [A(15.01, 1800, 1)], key=lambda a: a.arrival))
+    (long,) = [r for r in reqs if r.num_prompt_tokens == 1800]
+    assert share[0] < busy_share(runner, 5.0, 15.0) < share[1]
+    assert (len(long.metrics.prefill_chunks) == 1) is whole
 
 
 def test_busy_meter_reads_the_share_of_its_horizon_after_watching_one():

@@ -166,10 +166,11 @@ class PlaScheduler(Scheduler):
 
     def light_load(self, now: float) -> bool:
         """Whether the machine is lightly loaded: no short request waits, and steps took less than
-        ``light_load`` of the recent past (:class:`BusyMeter`; never before it has watched a whole
+        ``light_load`` (0.5) of the recent past (:class:`BusyMeter`; never before it has watched a whole
         horizon). Then a long prefill runs whole, as fcfs runs it: chunks are there to let shorts pass,
         and on a machine this idle few arrive meanwhile. In a busy spell chunks stay on, as the next
-        short is likely to arrive while a whole prompt would hold the machine."""
+        short is likely to arrive while a whole prompt would hold the machine. docs/POLICIES.md ("The
+        light-load threshold at 0.5") says why it is 0.5 and what the rules tried beside it changed."""
         if any(r.length_class == "short" for r in self.waiting):
             return False
         share = self.busy.share(now)
