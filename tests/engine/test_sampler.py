@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plaserve.engine.sampler import _filter_top_k_top_p, apply_penalties, sample, unusable_rows
+from plaserve.engine.sampler import (
+    _argmax,
+    _filter_top_k_top_p,
+    apply_penalties,
+    sample,
+    unusable_rows,
+)
 from plaserve.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
 
 
@@ -155,3 +161,19 @@ def test_unusable_rows_fail_alone():
     gen = torch.Generator().manual_seed(0)
     assert unusable_rows(logits).tolist() == [False, True, True, True, False]
     assert sample(logits, params, [gen] * 5) == [1, None, None, None, 1]
+
+
+def test_greedy_argmax_matches_torch_on_ties_and_broken_rows() -> None:
+    """The CPU argmax (numpy's) picks what torch's does: the first maximum of tied rows, and rows with
+    -inf, NaN or +inf logits (the last two are then reported unusable by sample())."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g)
+    logits[1] = 0.0  # all tied
+    logits[2, 10] = logits[2, 500] = 9.0  # two tied maxima
+    logits[3, :] = float("-inf")
+    logits[3, 7] = 1.0
+    logits[4, 300] = float("nan")
+    logits[5, 600] = float("inf")
+    with torch.inference_mode():
+        assert _argmax(logits).tolist() == logits.argmax(-1).tolist()
+        assert _argmax(logits).tolist()[:4] == [int(logits[0].argmax()), 0, 10, 7]

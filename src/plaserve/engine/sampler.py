@@ -101,6 +101,15 @@ def unusable_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(logits.amax(-1))
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index. On the CPU through numpy: torch's argmax kernel took 4 ms for
+    64 rows of a 32k vocabulary and 20 ms for 152k (one thread), numpy's 0.4 and 2 (same ties, the
+    first maximum; a NaN counts as the maximum in both)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.numpy().argmax(-1))
+    return logits.argmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -111,9 +120,8 @@ def sample(
     structured outputs come with their masks applied (-inf where the grammar forbids a token:
     ``grammar.masks``)."""
     bad = unusable_rows(logits).tolist()
-    out: list[int | None] = logits.argmax(
-        -1
-    ).tolist()  # greedy rows are done; sampled rows overwrite below
+    # greedy rows are done; sampled rows overwrite below
+    out: list[int | None] = _argmax(logits).tolist()
     for i, p in enumerate(params):
         if bad[i]:
             out[i] = None
