@@ -51,3 +51,27 @@ def test_fused_projection_equals_its_linears(dtype, bias):
         torch.testing.assert_close(
             got.float(), want, atol=1e-4 if dtype == torch.float32 else 0.25, rtol=1e-2
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype):
+    """A head tied to the embedding table: the table keeps its layout and storage (the embedding reads
+    it), a packed copy serves decode-sized steps, and every size multiplies as nn.Linear does."""
+    gen = torch.Generator().manual_seed(1)
+    emb = nn.Embedding(300, 48).to(dtype)
+    with torch.no_grad():
+        emb.weight.copy_(torch.randn(emb.weight.shape, generator=gen))
+    head = nn.Linear(48, 300, bias=False).to(dtype)
+    head.weight = emb.weight
+    before = emb.weight.detach().clone()
+    proj = Projection([head], shared=True)
+    assert not proj.transposed and head.weight is emb.weight and emb.weight.is_contiguous()
+    assert torch.equal(emb.weight.detach(), before)
+    assert proj.weight.data_ptr() == emb.weight.data_ptr()
+    assert (proj.packed is not None) == (dtype == torch.bfloat16 and _can_prepack())
+    for rows in (1, 16, Projection.PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, 48, generator=gen).to(dtype)
+        want = nn.functional.linear(x.float(), before.float())
+        torch.testing.assert_close(
+            proj(x).float(), want, atol=1e-4 if dtype == torch.float32 else 0.25, rtol=1e-2
+        )

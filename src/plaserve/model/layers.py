@@ -88,6 +88,9 @@ class Projection:
     any plain layout oneDNN repacks the whole weight on every call, which for a decode batch costs more
     than the multiplication (these weights take twice their size). Elsewhere the weight stays as
     ``nn.Linear`` stores it, through ``F.linear``.
+
+    ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
+    table): its weight keeps its layout, and only the packed copy is added.
     """
 
     # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
@@ -95,17 +98,29 @@ class Projection:
     # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower.
     PACKED_MAX_ROWS = 256
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], shared: bool = False) -> None:
+        assert not shared or len(linears) == 1
         with torch.no_grad():
-            weight = torch.cat([lin.weight for lin in linears])
-            bias = torch.cat([lin.bias for lin in linears]) if linears[0].bias is not None else None
-            self.transposed = weight.device.type == "cpu"
+            if shared:
+                lin = linears[0]
+                weight, bias = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+            else:
+                weight = torch.cat([lin.weight for lin in linears])
+                bias = (
+                    torch.cat([lin.bias for lin in linears])
+                    if linears[0].bias is not None
+                    else None
+                )
+            on_cpu = weight.device.type == "cpu"
+            self.transposed = on_cpu and not shared
             self.packed = (
                 torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
-                if self.transposed and weight.dtype != torch.float32 and _can_prepack()
+                if on_cpu and weight.dtype != torch.float32 and _can_prepack()
                 else None
             )
-            if self.transposed:
+            if shared:
+                linears = []  # nothing to re-point
+            elif self.transposed:
                 weight = weight.t().contiguous()
             start = 0
             for lin in linears:
