@@ -322,15 +322,7 @@ class VllmProcess(PlaserveProcess):
     def stop(self, timeout: float = 15.0) -> None:
         """Stop the group, then remove the files Intel OpenMP registers in /dev/shm per process (vLLM
         kills its own workers, so theirs are never cleaned up)."""
-        group = []
-        if self.proc is not None:
-            for stat in Path("/proc").glob("[0-9]*/stat"):
-                try:
-                    fields = stat.read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue  # gone meanwhile
-                if int(fields[2]) == self.proc.pid:  # the process group id
-                    group.append(stat.parent.name)
+        group = list(group_stats(self.proc.pid)) if self.proc is not None else []
         super().stop(timeout)
         for pid in group:
             for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
@@ -554,17 +546,23 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def group_cpu_seconds(pgid: int) -> float:
-    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+def group_stats(pgid: int) -> dict[str, list[str]]:
+    """The ``/proc/PID/stat`` fields (after the command name) of each live process of group ``pgid``."""
+    out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone meanwhile
-        if int(fields[2]) == pgid:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        if int(fields[2]) == pgid:  # the process group id
+            out[stat.parent.name] = fields
+    return out
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group ``pgid``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum((int(f[11]) + int(f[12])) / tick for f in group_stats(pgid).values())
 
 
 def run_interleaved(
@@ -588,6 +586,7 @@ def run_interleaved(
         replay(url, [TraceRequest(0.0, sizes.decode_prompt, 4)] * max(sizes.decode_batches), 1001)
     rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     calibrated_on, seed, calibration = None, TRACE_SEED, None
+    chosen: dict[str, Any] | None = None  # the calibration replay the other systems replay
     for r in range(sizes.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
@@ -598,11 +597,9 @@ def run_interleaved(
             rounds[name][-1].update(measure_throughput(procs[name].url, sizes, slice_, r))
             # The servers not being measured must be idle: what CPU they took meanwhile, as a
             # share of one core.
-            took = sum(map(group_cpu_seconds, idle)) - before
-            rounds[name][-1]["others_cpu_share"] = took / (time.perf_counter() - t0)
-            log(
-                f"  the idle servers took {took / (time.perf_counter() - t0):.1%} of a core meanwhile"
-            )
+            share = (sum(map(group_cpu_seconds, idle)) - before) / (time.perf_counter() - t0)
+            rounds[name][-1]["others_cpu_share"] = share
+            log(f"  the idle servers took {share:.1%} of a core meanwhile")
         if r == 0 and time_scale is None:
             calibrated_on = names[0]
             log(f"{calibrated_on}: calibrating the trace ...")
@@ -614,8 +611,8 @@ def run_interleaved(
         assert time_scale is not None
         round_seed = seed if r == 0 else TRACE_SEED + 1000 + r
         for name in order:
-            if r == 0 and name == calibrated_on and calibration is not None:
-                trace = closest(calibration, sizes.target_busy)
+            if r == 0 and name == calibrated_on and chosen is not None:
+                trace = chosen
             else:
                 log(f"round {r + 1}/{sizes.rounds}, {name}: trace ...")
                 trace = replay_trace(procs[name].url, slice_, time_scale, round_seed)

@@ -118,12 +118,11 @@ class Projection:
                 if on_cpu and weight.dtype != torch.float32 and _can_prepack()
                 else None
             )
-            if shared:
-                linears = []  # nothing to re-point
-            elif self.transposed:
+            if self.transposed:
                 weight = weight.t().contiguous()
             start = 0
-            for lin in linears:
+            # A shared weight keeps its layout: no linear's weight to re-point at the fused one.
+            for lin in [] if shared else linears:
                 rows = lin.weight.shape[0]
                 lin.weight.data = (
                     weight[:, start : start + rows].t()
