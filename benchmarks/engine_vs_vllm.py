@@ -63,7 +63,7 @@ the best of all.
 Usage::
 
     PYTHONPATH=src .venv/bin/python benchmarks/engine_vs_vllm.py [--models small,qwen05]
-        [--dtypes bfloat16,float32] [--systems vllm,fcfs,pla] [--quick] [--out DIR] [--reuse-checkpoints]
+        [--dtypes auto|bfloat16,float32] [--systems vllm,fcfs,pla] [--quick] [--out DIR] [--reuse-checkpoints]
 
 Progress on stderr, the markdown tables on stdout (and in DIR/engine_vs_vllm.md with the JSON).
 """
@@ -96,6 +96,7 @@ from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
 from plaserve.cost import measure_peak_flops  # noqa: E402
 from plaserve.launcher import PlaserveProcess, ServerProcess  # noqa: E402
 from plaserve.model.config import ModelConfig  # noqa: E402
+from plaserve.model.loader import resolve_dtype  # noqa: E402
 from plaserve.workload.report import summarize  # noqa: E402
 from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace, scale_requests  # noqa: E402
@@ -982,7 +983,10 @@ def main(argv: list[str] | None = None) -> int:
         "--models", default="small", help=f"comma-separated, of {', '.join(MODELS)} (default small)"
     )
     p.add_argument(
-        "--dtypes", default="bfloat16,float32", help="comma-separated (default bfloat16,float32)"
+        "--dtypes",
+        default="auto",
+        help="comma-separated; auto: the one `--dtype auto` picks on this CPU (bfloat16 where it "
+        "multiplies bfloat16 in hardware, float32 elsewhere, where bfloat16 is emulated)",
     )
     p.add_argument(
         "--systems",
@@ -1032,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as e:
         p.error(f"--set: {e}")
     models, dtypes, systems = (a.split(",") for a in (args.models, args.dtypes, args.systems))
+    native = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    dtypes = [native if d == "auto" else d for d in dtypes]
     unknown = (set(models) - set(MODELS)) | (set(systems) - set(SYSTEMS))
     if unknown:
         p.error(f"unknown model or system: {', '.join(sorted(unknown))}")

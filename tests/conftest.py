@@ -384,3 +384,13 @@ def family_ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
         return built[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def native_dtype() -> str:
+    """The dtype ``--dtype auto`` picks on this CPU: bfloat16 where it multiplies bfloat16 in hardware,
+    float32 elsewhere (where bfloat16 is emulated, hundreds of times slower: benchmark smoke tests
+    that serve a model in it would take minutes)."""
+    from plaserve.model.loader import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")

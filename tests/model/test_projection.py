@@ -6,12 +6,26 @@ import pytest
 import torch
 from torch import nn
 
-from plaserve.model.layers import Projection, _can_prepack
+from plaserve.model import layers
+from plaserve.model.layers import Projection, prepacked_pays
+
+
+@pytest.fixture(params=["probed", "packed", "plain"])
+def packing(request, monkeypatch):
+    """Each float32 layout whatever this CPU's probe finds: as probed, forced packed, forced plain."""
+    if request.param != "probed":
+        forced = request.param == "packed"
+        monkeypatch.setattr(
+            layers,
+            "prepacked_pays",
+            lambda dtype: forced if dtype == torch.float32 else prepacked_pays(dtype),
+        )
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_projection_equals_its_linears(dtype, bias):
+def test_fused_projection_equals_its_linears(dtype, bias, packing):
     gen = torch.Generator().manual_seed(0)
     linears = [nn.Linear(48, n, bias=bias).to(dtype) for n in (32, 16, 16)]
     with torch.no_grad():
@@ -22,7 +36,7 @@ def test_fused_projection_equals_its_linears(dtype, bias):
     expected = [lin.weight.float().clone() for lin in linears]
     proj = Projection(linears)
     assert proj.transposed  # on CPU
-    assert (proj.packed is not None) == (dtype == torch.bfloat16 and _can_prepack())
+    assert (proj.packed is not None) == layers.prepacked_pays(dtype)
     for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
         assert (
             torch.equal(lin.weight.float(), w)
@@ -54,7 +68,7 @@ def test_fused_projection_equals_its_linears(dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype):
+def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype, packing):
     """A head tied to the embedding table: the table keeps its layout and storage (the embedding reads
     it), a packed copy serves decode-sized steps, and every size multiplies as nn.Linear does."""
     gen = torch.Generator().manual_seed(1)
@@ -68,10 +82,20 @@ def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype)
     assert not proj.transposed and head.weight is emb.weight and emb.weight.is_contiguous()
     assert torch.equal(emb.weight.detach(), before)
     assert proj.weight.data_ptr() == emb.weight.data_ptr()
-    assert (proj.packed is not None) == (dtype == torch.bfloat16 and _can_prepack())
+    assert (proj.packed is not None) == layers.prepacked_pays(dtype)
     for rows in (1, 16, Projection.PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = nn.functional.linear(x.float(), before.float())
         torch.testing.assert_close(
             proj(x).float(), want, atol=1e-4 if dtype == torch.float32 else 0.25, rtol=1e-2
         )
+
+
+def test_prepacked_pays_in_half_precision_and_decides_float32_once():
+    # half precision wherever oneDNN can pack it: every AVX512 CPU, not an AVX2-only one without
+    # bf16 conversions (where the probe's reorder is refused and the layout stays plain)
+    if layers._can_prepack() and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert layers.prepacked_pays(torch.bfloat16)
+    first = layers.prepacked_pays(torch.float32)  # the probe, once a process
+    assert layers.prepacked_pays(torch.float32) is first
+    assert layers.prepacked_pays.cache_info().hits >= 1

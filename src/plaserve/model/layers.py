@@ -5,7 +5,10 @@ Parameter names match Hugging Face's so checkpoints load by name.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -14,6 +17,8 @@ from torch import nn
 from plaserve.model.attention import AttentionMetadata, attention
 from plaserve.model.config import ModelConfig
 from plaserve.model.fused import FusedKernels, rms_norm
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -76,6 +81,62 @@ def _can_prepack() -> bool:
     )
 
 
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@functools.cache
+def prepacked_pays(dtype: torch.dtype) -> bool:
+    """Whether decode-sized steps on this CPU should multiply by a copy of each weight prepacked in
+    oneDNN's blocked layout, in ``dtype``.
+
+    In half precision wherever oneDNN can pack it (CPUs with AVX512-BF16 / AMX / AVX-NE-CONVERT;
+    elsewhere these dtypes are emulated and slow anyway): by any plain layout oneDNN repacks the whole
+    weight on every call, which for a decode batch costs more than the multiplication. In float32 the
+    plain transposed layout goes to MKL, whose speed on few rows depends on the CPU (on an AVX2 AMD
+    EPYC oneDNN's packed layout was 1.2-2.5x faster at 16-64 rows; docs/BENCHMARKS.md), so a 16-row
+    multiply by a 1024 x 4096 weight is timed both ways, once a process (~20 ms), and the packed
+    copy is made only where it wins by 10 %.
+    """
+    if not _can_prepack():
+        return False
+    if dtype != torch.float32:
+        try:  # oneDNN packs half precision only on CPUs that convert it in hardware
+            _reorder(torch.zeros(32, 32, dtype=dtype))
+        except RuntimeError as e:
+            log.info("no packed %s weights on this CPU: %s", dtype, e)
+            return False
+        return True
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(4096, 1024, generator=gen)
+    x = torch.randn(Projection.PACK_ROWS_HINT, 1024, generator=gen)
+    plain, packed = weight.t().contiguous(), _reorder(weight)
+    ways = {"plain": lambda: x @ plain, "packed": lambda: _packed_linear(x, packed, None)}
+    best = dict.fromkeys(ways, math.inf)
+    for _ in range(6):  # alternating, best of each: the first round only warms up
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            best[name] = min(best[name], time.perf_counter() - start)
+    pays = best["packed"] < 0.9 * best["plain"]
+    log.info(
+        "float32 weights: a 16-row multiply took %.2f ms by the plain layout, %.2f ms by oneDNN's "
+        "packed one: %s",
+        1e3 * best["plain"],
+        1e3 * best["packed"],
+        "decode-sized steps use packed copies" if pays else "no packed copies",
+    )
+    return pays
+
+
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (``[out, in]``) in oneDNN's blocked layout for steps of about ``PACK_ROWS_HINT``
+    rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, Projection.PACK_ROWS_HINT)
+
+
 class Projection:
     """One or more ``nn.Linear`` layers that read the same input, run as a single matmul (one wide GEMM
     is faster than several narrow ones); their parameters become views of the fused weight. Build it
@@ -83,11 +144,11 @@ class Projection:
 
     On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
-    hands it, and long prefills as fast. In bfloat16 / float16 steps of up to ``PACKED_MAX_ROWS`` rows
-    multiply by a second copy, prepacked in oneDNN's blocked layout (``mkldnn._linear_pointwise``): by
-    any plain layout oneDNN repacks the whole weight on every call, which for a decode batch costs more
-    than the multiplication (these weights take twice their size). Elsewhere the weight stays as
-    ``nn.Linear`` stores it, through ``F.linear``.
+    hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 always,
+    float32 where a probe finds it faster on this CPU) steps of up to ``PACKED_MAX_ROWS`` rows multiply
+    by a second copy, prepacked in oneDNN's blocked layout (``mkldnn._linear_pointwise``; these weights
+    then take twice their size). Elsewhere the weight stays as ``nn.Linear`` stores it, through
+    ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added.
@@ -113,11 +174,7 @@ class Projection:
                 )
             on_cpu = weight.device.type == "cpu"
             self.transposed = on_cpu and not shared
-            self.packed = (
-                torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS_HINT)
-                if on_cpu and weight.dtype != torch.float32 and _can_prepack()
-                else None
-            )
+            self.packed = _reorder(weight) if on_cpu and prepacked_pays(weight.dtype) else None
             if self.transposed:
                 weight = weight.t().contiguous()
             start = 0
@@ -136,7 +193,7 @@ class Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= self.PACKED_MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return _packed_linear(x, self.packed, self.bias)
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
         out = x @ self.weight
