@@ -1,7 +1,8 @@
 """Smoke test of ``benchmarks/engine_vs_vllm.py``, plaserve side only (no vLLM venv needed).
 
-Toy sizes on the small model in the dtype ``--dtype auto`` picks here: both plaserve policies start as servers, every measurement
-runs, and the report has every row with a positive value. Timings themselves are not checked.
+Toy sizes on the small model in the dtype ``--dtype auto`` picks here: both plaserve policies start
+as servers, every measurement runs, and the report has every row with a positive value. Timings
+themselves are not checked.
 """
 
 from __future__ import annotations

@@ -144,8 +144,9 @@ class Projection:
 
     On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
-    hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 always,
-    float32 where a probe finds it faster on this CPU) steps of up to ``PACKED_MAX_ROWS`` rows multiply
+    hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 wherever
+    oneDNN can pack them, float32 where a probe finds it faster on this CPU) steps of up to
+    ``PACKED_MAX_ROWS`` rows multiply
     by a second copy, prepacked in oneDNN's blocked layout (``mkldnn._linear_pointwise``; these weights
     then take twice their size). Elsewhere the weight stays as ``nn.Linear`` stores it, through
     ``F.linear``.
