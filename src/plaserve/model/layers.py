@@ -146,10 +146,9 @@ class Projection:
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
     hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 wherever
     oneDNN can pack them, float32 where a probe finds it faster on this CPU) steps of up to
-    ``PACKED_MAX_ROWS`` rows multiply
-    by a second copy, prepacked in oneDNN's blocked layout (``mkldnn._linear_pointwise``; these weights
-    then take twice their size). Elsewhere the weight stays as ``nn.Linear`` stores it, through
-    ``F.linear``.
+    ``PACKED_MAX_ROWS`` rows multiply by a second copy, prepacked in oneDNN's blocked layout
+    (``mkldnn._linear_pointwise``; these weights then take twice their size). Elsewhere the weight
+    stays as ``nn.Linear`` stores it, through ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added.
