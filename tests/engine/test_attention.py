@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from plaserve.model.attention import AttentionMetadata, PrefillSeq, attention
+from plaserve.model.kernels import varlen_attention
 
 BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 64, 4, 8, 2, 16
 
@@ -64,8 +65,17 @@ def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype):
+@pytest.mark.parametrize(
+    "dtype, native",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+    ids=["float32", "bfloat16-sdpa", "bfloat16-native"],
+)
+def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype, native, monkeypatch):
+    """(bfloat16 also through the native CPU kernel, where it is built: its inputs made once too.)"""
+    if native and varlen_attention() is None:
+        pytest.skip("the CPU attention kernel is not built here")
+    if not native:
+        monkeypatch.setattr("plaserve.model.attention.varlen_attention", lambda: None)
     gen = torch.Generator().manual_seed(0)
     n, cuts = 100, [0, 37, 64, 100]  # chunks that start mid-block and on a block boundary
     q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
@@ -82,7 +92,8 @@ def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype):
         seq = PrefillSeq(0, b - a, a, table if a else None)
         meta = AttentionMetadata(slot_mapping=slots[a:b], prefill=[seq])
         outs = [attention(q[a:b], k[a:b], v[a:b], cache, meta, DIM**-0.5) for cache in layers]
-        assert a == 0 or seq._mask is not None  # made once, by the first layer
+        # made once, by the first layer
+        assert a == 0 or (meta._native_inputs if native else seq._mask) is not None
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for out in outs:
             torch.testing.assert_close(out, whole[a:b], atol=tol, rtol=tol)

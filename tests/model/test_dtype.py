@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from plaserve.model import loader
+from plaserve.model import cpu_features, loader
 
 
 def probes(
@@ -23,7 +23,7 @@ def probes(
             monkeypatch.delattr(torch.cpu, name, raising=False)
         else:
             monkeypatch.setattr(torch.cpu, name, lambda v=value: v)
-    monkeypatch.setattr(loader, "_cpuinfo_flags", lambda: set(flags.split()))
+    monkeypatch.setattr(cpu_features, "_cpuinfo_flags", lambda: set(flags.split()))
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def probes(
 )
 def test_cpu_bf16_support(monkeypatch, amx, avx512_bf16, flags, isa):
     probes(monkeypatch, amx, avx512_bf16, flags)
-    assert loader.cpu_bf16_support() == isa
+    assert cpu_features.cpu_bf16_support() == isa
     dtype, why = loader.auto_dtype(torch.device("cpu"))
     assert dtype == (torch.float32 if isa is None else torch.bfloat16)
     assert (isa or "no native bfloat16") in why

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from plaserve.model.kernels import NATIVE_HEAD_DIMS, varlen_attention
+
 try:  # pragma: no cover - only on CUDA machines with flash-attn installed
     from flash_attn import flash_attn_varlen_func  # type: ignore[import-not-found]
 except ImportError:  # the normal case on CPU
@@ -69,6 +71,9 @@ class AttentionMetadata:
     _decode_inputs: list[tuple[int, int, torch.Tensor, torch.Tensor]] | None = field(
         default=None, repr=False
     )
+    _native_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def num_padded_tokens(self) -> int:
@@ -96,6 +101,50 @@ class AttentionMetadata:
                     (start, end, tables[start:end, :blocks].reshape(-1), mask[:, None, None])
                 )
         return self._decode_inputs
+
+    def native_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole batch as the native kernel's sequences (:mod:`plaserve.model.kernels`):
+        ``q_starts`` (every packed token belongs to one sequence: a prefill, a padded row, a decode),
+        the flat cache slots of each sequence's keys (``k_index``) and their ``k_starts``. The same
+        for every layer: made by the first, reused by the others."""
+        if self._native_inputs is None:
+            q_lens, k_lens, k_slots = [], [], []
+            for seq in self.prefill:
+                q_lens.append(seq.q_len)
+                k_lens.append(seq.num_cached + seq.q_len)
+                if seq.num_cached == 0:  # its keys are its own new tokens, just written
+                    k_slots.append(self.slot_mapping[seq.start : seq.start + seq.q_len])
+                else:
+                    assert seq.block_table is not None
+                    k_slots.append(
+                        _slots(seq.block_table, block_size)[: seq.num_cached + seq.q_len]
+                    )
+            if self.padded_shape is not None:
+                b, n = self.padded_shape
+                p0 = self.num_prefill_tokens
+                q_lens += [n] * b
+                k_lens += [n] * b
+                k_slots.append(self.slot_mapping[p0 : p0 + b * n])
+            if self.decode_block_tables is not None:
+                assert self.decode_context_lens is not None
+                tables, lens = self.decode_block_tables, self.decode_context_lens
+                slots = _slots(tables, block_size)  # [B, blocks * block_size]
+                k_slots.append(slots[torch.arange(slots.shape[1]) < lens[:, None]])
+                q_lens += [1] * tables.shape[0]
+                k_lens += lens.tolist()
+            device = self.slot_mapping.device
+            self._native_inputs = (
+                torch.tensor([0, *q_lens], device=device).cumsum_(0),
+                torch.cat(k_slots).long(),
+                torch.tensor([0, *k_lens], device=device).cumsum_(0),
+            )
+        return self._native_inputs
+
+
+def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The flat cache slots of a block table's tokens, in order: ``[..., blocks * block_size]``."""
+    offsets = torch.arange(block_size, device=block_table.device)
+    return (block_table[..., None] * block_size + offsets).flatten(-2)
 
 
 def write_kv(
@@ -147,6 +196,16 @@ def attention(
     if kv_cache is not None:
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
     out = torch.empty_like(q)
+    native = (
+        varlen_attention()
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in NATIVE_HEAD_DIMS
+        else None
+    )
+    if native is not None and kv_cache is not None:
+        # One call for the whole batch, every sequence's keys read from the cache (just written).
+        kc, vc = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+        native(q, kc, vc, out, *meta.native_inputs(kv_cache[0].shape[1]), scale)
+        return out
     for seq in meta.prefill:
         s, e = seq.start, seq.start + seq.q_len
         qs = q[s:e].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]

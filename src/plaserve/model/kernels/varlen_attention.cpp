@@ -1,0 +1,355 @@
+// Causal varlen attention in bfloat16 for CPUs with AVX512-BF16 (built and loaded by
+// plaserve/model/cpu_attention.py; torch's SDPA is the fallback everywhere this is not built).
+//
+// One call attends every sequence of a packed batch. Sequence s has q_len new query tokens at rows
+// [q_starts[s], q_starts[s+1]) of q and out, and k_len keys, the key tokens k_index[k_starts[s] ..
+// k_starts[s+1]) of k and v (rows of a packed batch, or slots of the flat paged cache). Queries are
+// aligned to the end of the keys: query i sees keys j <= k_len - q_len + i.
+//
+// Two passes, both over torch's intra-op thread pool:
+//  1. each (sequence, K/V head)'s keys and values are copied once into the pair-interleaved layouts
+//     that vdpbf16ps multiplies (K: 16 keys x 2 dims a register, V: 16 dims x 2 keys), zero-padded
+//     to a multiple of 32 keys; the gather from the paged cache is this same copy;
+//  2. work items of kBlockQ query tokens of one K/V head, times the query heads that share it (so
+//     one pass over a K/V block serves the whole GQA group), run online-softmax (flash) attention
+//     over key blocks of kBlockK: S = Q K^T and O += P V in vdpbf16ps (float32 accumulation), the
+//     softmax in float32, P rounded to bfloat16 for the second product. Items are taken
+//     largest-first from a shared counter, which keeps the two ends of a causal triangle balanced.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int kBlockQ = 32;   // query tokens of a work item
+constexpr int kBlockK = 128;  // keys of an online-softmax step (a multiple of 32)
+
+// exp(x) for x <= 0 (scores minus their row maximum): 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2,
+// p a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512bh pair(const uint16_t* p) {  // two bf16 values broadcast to every 32-bit lane
+  int32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+inline __mmask16 first_lanes(int n) {  // lanes [0, n) of 16, n clamped to [0, 16]
+  n = std::max(0, std::min(16, n));
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// S[r][0 .. 32) = Q[r] . K^T for R query rows and two 16-key chunks. kp: the chunk pair's packed
+// keys, [2][D/2][16 keys][2 dims]; s: R rows of stride ldS.
+template <int R, int D>
+inline void qk_tile(const uint16_t* const* q, const uint16_t* kp, float* s, int ldS) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int dp = 0; dp < D / 2; ++dp) {
+    const __m512bh k0 = load_bh(kp + dp * 32), k1 = load_bh(kp + (D / 2 + dp) * 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qr = pair(q[r] + 2 * dp);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qr);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qr);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * ldS, acc[r][0]);
+    _mm512_storeu_ps(s + r * ldS + 16, acc[r][1]);
+  }
+}
+
+// O[r] += P[r] . V for R rows over n_pairs key pairs. vp: [pairs][D dims][2 keys]; p: bf16 rows of
+// stride ldP; o: float32 rows of stride D.
+template <int R, int D>
+inline void pv_tile(const uint16_t* p, int ldP, const uint16_t* vp, int n_pairs, float* o) {
+  constexpr int NV = D / 16;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + c * 16);
+  for (int jp = 0; jp < n_pairs; ++jp) {
+    __m512bh v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = load_bh(vp + (jp * D + c * 16) * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh pr = pair(p + r * ldP + 2 * jp);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pr);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + c * 16, acc[r][c]);
+}
+
+template <int D>
+void qk_rows(const uint16_t* const* q, int rows, const uint16_t* kp, float* s, int ldS) {
+  constexpr int R = 6;
+  int r = 0;
+  for (; r + R <= rows; r += R) qk_tile<R, D>(q + r, kp, s + r * ldS, ldS);
+  switch (rows - r) {
+    case 5: qk_tile<5, D>(q + r, kp, s + r * ldS, ldS); break;
+    case 4: qk_tile<4, D>(q + r, kp, s + r * ldS, ldS); break;
+    case 3: qk_tile<3, D>(q + r, kp, s + r * ldS, ldS); break;
+    case 2: qk_tile<2, D>(q + r, kp, s + r * ldS, ldS); break;
+    case 1: qk_tile<1, D>(q + r, kp, s + r * ldS, ldS); break;
+    default: break;
+  }
+}
+
+template <int D>
+void pv_rows(const uint16_t* p, int ldP, int rows, const uint16_t* vp, int n_pairs, float* o) {
+  constexpr int R = D <= 32 ? 8 : D == 64 ? 4 : 2;  // R x D/16 accumulators <= 16
+  int r = 0;
+  for (; r + R <= rows; r += R) pv_tile<R, D>(p + r * ldP, ldP, vp, n_pairs, o + r * D);
+  for (; r < rows; ++r) pv_tile<1, D>(p + r * ldP, ldP, vp, n_pairs, o + r * D);
+}
+
+struct Batch {
+  const uint16_t* q;
+  uint16_t* out;
+  int64_t q_stride, out_stride;  // elements between tokens
+  int64_t heads, kv_heads;
+  const int64_t* q_starts;
+  const int64_t* k_starts;
+  std::vector<int64_t> packed_at;  // per (sequence, K/V head): offset of its packed K (and V)
+  const uint16_t* kp;
+  const uint16_t* vp;
+  float scale;
+};
+
+// Keys are read in chunk pairs of 32: a sequence's packed keys are padded to that, not to kBlockK.
+int64_t padded_keys(int64_t k_len) { return (k_len + 31) / 32 * 32; }
+
+// Pass 1: the keys of one (sequence, K/V head) into [chunk of 16][D/2][16][2], its values into
+// [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be).
+template <int D>
+void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
+             const int64_t* index, int64_t k_len, int64_t head, uint16_t* kp, uint16_t* vp) {
+  const int64_t padded = padded_keys(k_len);
+  auto* kp32 = reinterpret_cast<int32_t*>(kp);
+  for (int64_t j = 0; j < padded; ++j) {
+    int32_t* kdst = kp32 + (j / 16) * (D / 2) * 16 + (j % 16);
+    uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
+    if (j < k_len) {
+      const uint16_t* ks = k + index[j] * k_stride + head * D;
+      const uint16_t* vs = v + index[j] * v_stride + head * D;
+      for (int dp = 0; dp < D / 2; ++dp) std::memcpy(kdst + dp * 16, ks + 2 * dp, 4);
+      for (int d = 0; d < D; ++d) vdst[d * 2] = vs[d];
+    } else {
+      for (int dp = 0; dp < D / 2; ++dp) kdst[dp * 16] = 0;
+      for (int d = 0; d < D; ++d) vdst[d * 2] = 0;
+    }
+  }
+}
+
+struct Scratch {
+  std::vector<float> s, o, m, l;
+  std::vector<uint16_t> p;
+  std::vector<const uint16_t*> qrow;
+};
+
+// Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`.
+template <int D>
+void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
+  const int64_t group = b.heads / b.kv_heads;
+  const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
+  const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
+  const int64_t offset = k_len - q_len;  // query i sees keys [0, offset + i]
+  const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
+  const int rows = static_cast<int>(nq * group);  // row = token * group + head
+  const int64_t k_end = offset + q0 + nq;         // keys the last token sees
+  w.s.resize(static_cast<size_t>(rows) * kBlockK);
+  w.p.resize(static_cast<size_t>(rows) * kBlockK);
+  w.o.assign(static_cast<size_t>(rows) * D, 0.0f);
+  w.m.assign(rows, -std::numeric_limits<float>::infinity());
+  w.l.assign(rows, 0.0f);
+  w.qrow.resize(rows);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = b.q_starts[seq] + q0 + r / group;
+    w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
+  }
+  const int64_t base = b.packed_at[seq * b.kv_heads + g];
+  const float scale = b.scale;
+  for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
+    const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
+    const int pairs32 = (nk + 31) / 32;  // chunk pairs of 32 keys
+    for (int c = 0; c < pairs32; ++c)
+      qk_rows<D>(w.qrow.data(), rows, b.kp + base + (j0 / 16 + 2 * c) * 16 * D, w.s.data() + 32 * c,
+                 kBlockK);
+    // Online softmax, row by row: the new maximum, the rescale of what was summed so far, P.
+    for (int r = 0; r < rows; ++r) {
+      const int valid = static_cast<int>(
+          std::max<int64_t>(0, std::min<int64_t>(nk, offset + q0 + r / group + 1 - j0)));
+      float* s = w.s.data() + static_cast<size_t>(r) * kBlockK;
+      uint16_t* p = w.p.data() + static_cast<size_t>(r) * kBlockK;
+      if (valid == 0) {
+        std::memset(p, 0, sizeof(uint16_t) * 32 * pairs32);
+        continue;
+      }
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int c = 0; c < 2 * pairs32; ++c)
+        vmax = _mm512_mask_max_ps(vmax, first_lanes(valid - 16 * c), vmax,
+                                  _mm512_loadu_ps(s + 16 * c));
+      const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(vmax) * scale);
+      const float alpha = std::exp(w.m[r] - m_new);  // 0 on the first block (m = -inf)
+      w.m[r] = m_new;
+      if (alpha != 1.0f) {
+        float* o = w.o.data() + static_cast<size_t>(r) * D;
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int c = 0; c < D / 16; ++c)
+          _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(o + 16 * c)));
+      }
+      const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m_new);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int c = 0; c < 2 * pairs32; c += 2) {
+        const __m512 e0 = _mm512_maskz_mov_ps(
+            first_lanes(valid - 16 * c),
+            exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), vs, vm)));
+        const __m512 e1 = _mm512_maskz_mov_ps(
+            first_lanes(valid - 16 * (c + 1)),
+            exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (c + 1)), vs, vm)));
+        vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+        // cvtne2ps packs (second, first): lanes 0-15 come from e0
+        _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+      }
+      w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+    }
+    pv_rows<D>(w.p.data(), kBlockK, rows, b.vp + base + j0 * D, 16 * pairs32, w.o.data());
+  }
+  for (int r = 0; r < rows; ++r) {
+    const int64_t token = b.q_starts[seq] + q0 + r / group;
+    uint16_t* dst = b.out + token * b.out_stride + (g * group + r % group) * D;
+    const __m512 inv = _mm512_set1_ps(1.0f / w.l[r]);
+    for (int c = 0; c < D / 16; ++c) {
+      const __m512 o = _mm512_mul_ps(inv, _mm512_loadu_ps(w.o.data() + r * D + 16 * c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(o));
+    }
+  }
+}
+
+template <int D>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+         const at::Tensor& q_starts, const at::Tensor& k_index, const at::Tensor& k_starts,
+         double scale) {
+  const int64_t seqs = q_starts.size(0) - 1;
+  Batch b;
+  b.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  b.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  b.q_stride = q.stride(0);
+  b.out_stride = out.stride(0);
+  b.heads = q.size(1);
+  b.kv_heads = k.size(1);
+  b.q_starts = q_starts.data_ptr<int64_t>();
+  b.k_starts = k_starts.data_ptr<int64_t>();
+  b.scale = static_cast<float>(scale);
+  b.packed_at.resize(seqs * b.kv_heads);
+  int64_t total = 0;
+  for (int64_t s = 0; s < seqs; ++s)
+    for (int64_t g = 0; g < b.kv_heads; ++g) {
+      b.packed_at[s * b.kv_heads + g] = total;
+      total += padded_keys(b.k_starts[s + 1] - b.k_starts[s]) * D;
+    }
+  // Uninitialised: pack_kv writes every element, padding included.
+  std::unique_ptr<uint16_t[]> kp(new uint16_t[total]), vp(new uint16_t[total]);
+  b.kp = kp.get();
+  b.vp = vp.get();
+  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  const int64_t* index = k_index.data_ptr<int64_t>();
+  at::parallel_for(0, seqs * b.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / b.kv_heads, g = i % b.kv_heads;
+      pack_kv<D>(kd, vd, k.stride(0), v.stride(0), index + b.k_starts[s],
+                 b.k_starts[s + 1] - b.k_starts[s], g,
+                 const_cast<uint16_t*>(b.kp) + b.packed_at[i],
+                 const_cast<uint16_t*>(b.vp) + b.packed_at[i]);
+    }
+  });
+  // Work items (sequence, K/V head, first query token), largest first (cost ~ keys seen).
+  struct Item {
+    int64_t seq, head, q0, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t q_len = b.q_starts[s + 1] - b.q_starts[s];
+    const int64_t offset = (b.k_starts[s + 1] - b.k_starts[s]) - q_len;
+    for (int64_t q0 = 0; q0 < q_len; q0 += kBlockQ)
+      for (int64_t g = 0; g < b.kv_heads; ++g)
+        items.push_back({s, g, q0, std::min<int64_t>(kBlockQ, q_len - q0) *
+                                       (offset + std::min<int64_t>(q0 + kBlockQ, q_len))});
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i; (i = next.fetch_add(1)) < n;)
+        attend<D>(b, items[i].seq, items[i].head, items[i].q0, w);
+  });
+}
+
+void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      at::Tensor out, const at::Tensor& q_starts, const at::Tensor& k_index,
+                      const at::Tensor& k_starts, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
+              "varlen_attention: bfloat16 only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
+              "varlen_attention: q/out [T, H, D], k/v [N, Hk, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 &&
+                  k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2) &&
+                  out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "varlen_attention: each token's heads must be contiguous");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "varlen_attention: heads not a multiple of K/V heads");
+  TORCH_CHECK(q_starts.scalar_type() == at::kLong && k_starts.scalar_type() == at::kLong &&
+                  k_index.scalar_type() == at::kLong && q_starts.is_contiguous() &&
+                  k_starts.is_contiguous() && k_index.is_contiguous() &&
+                  q_starts.size(0) == k_starts.size(0),
+              "varlen_attention: int64 q_starts/k_starts of one length, int64 k_index");
+  switch (q.size(2)) {
+    case 16: run<16>(q, k, v, out, q_starts, k_index, k_starts, scale); break;
+    case 32: run<32>(q, k, v, out, q_starts, k_index, k_starts, scale); break;
+    case 64: run<64>(q, k, v, out, q_starts, k_index, k_starts, scale); break;
+    case 128: run<128>(q, k, v, out, q_starts, k_index, k_starts, scale); break;
+    default: TORCH_CHECK(false, "varlen_attention: head_dim 16, 32, 64 or 128, not ", q.size(2));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plaserve_cpu, m) {
+  m.def(
+      "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor q_starts, "
+      "Tensor k_index, Tensor k_starts, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(plaserve_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }

@@ -1,0 +1,166 @@
+"""The native CPU attention kernel (``plaserve.model.kernels``): against SDPA on every layout it is given
+(varlen prompts, chunks after a cached prefix, single decode rows, GQA groups of 1-8, head sizes 16 to
+128, K/V as strided views and as scattered cache slots), inside ``attention()`` on a mixed batch
+against the SDPA path, and its fallbacks (no compiler, a failing build, switched off)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from plaserve.model import kernels
+from plaserve.model.attention import AttentionMetadata, PrefillSeq, attention
+
+NATIVE = kernels.varlen_attention()
+needs_kernel = pytest.mark.skipif(
+    NATIVE is None, reason="the CPU attention kernel is not built here (no AVX512-BF16 or no g++)"
+)
+
+
+def _run(q, k, v, q_lens, k_lens, scale, index=None):
+    q_starts = torch.tensor([0, *q_lens]).cumsum(0)
+    k_starts = torch.tensor([0, *k_lens]).cumsum(0)
+    out = torch.full_like(q, float("nan"))
+    index = torch.arange(k.shape[0]) if index is None else index
+    NATIVE(q, k, v, out, q_starts, index, k_starts, scale)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim",
+    [(4, 2, 16), (8, 2, 32), (8, 2, 64), (14, 2, 64), (4, 4, 128), (8, 1, 128)],
+)
+@pytest.mark.parametrize(
+    "lens",
+    [
+        [(1, 1)],
+        [(5, 5), (33, 33), (200, 200)],  # fresh prompts: partial and several key blocks
+        [(7, 300), (1, 17), (64, 64), (1, 1)],  # a chunk after a prefix, decode rows
+        [(129, 257)],  # a query block boundary and a key block boundary
+    ],
+)
+def test_kernel_equals_sdpa(heads, kv_heads, dim, lens):
+    gen = torch.Generator().manual_seed(0)
+    q_lens, k_lens = [a for a, _ in lens], [b for _, b in lens]
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).bfloat16()
+    # K and V as strided views of one tensor, as the fused qkv projection leaves them.
+    kv = torch.randn(sum(k_lens), 2 * kv_heads, dim, generator=gen).bfloat16()
+    k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    got = _run(q, k, v, q_lens, k_lens, dim**-0.5)
+    q_starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+    want = kernels.reference_attention(q, k, v, q_starts, k_starts, dim**-0.5)
+    # bfloat16 output: one rounding step of values of magnitude ~1 is 2^-7
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+@needs_kernel
+def test_kernel_reads_keys_through_the_index():
+    """Keys gathered through ``k_index`` (cache slots in any order) equal the same keys in place."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(10, 8, 64, generator=gen).bfloat16()
+    k, v = torch.randn(2, 90, 2, 64, generator=gen).bfloat16()
+    perm = torch.randperm(90, generator=gen)
+    scattered_k, scattered_v = torch.empty_like(k), torch.empty_like(v)
+    scattered_k[perm], scattered_v[perm] = k, v
+    in_place = _run(q, k, v, [10], [90], 0.125)
+    through = _run(q, scattered_k, scattered_v, [10], [90], 0.125, index=perm)
+    assert torch.equal(in_place, through)
+
+
+BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 96, 16, 8, 2, 64
+
+
+@needs_kernel
+def test_attention_uses_the_kernel_on_a_mixed_batch(monkeypatch):
+    """A batch of a fresh prompt, a chunk after its cached prefix, a padded block and decode rows: the
+    kernel's one call per layer gives SDPA's outputs, and writes the same cache."""
+    gen = torch.Generator().manual_seed(2)
+    perm = (torch.randperm(BLOCKS - 1, generator=gen) + 1).tolist()
+    taken = 0
+
+    def blocks(n: int) -> list[int]:
+        nonlocal taken
+        taken += -(-n // BLOCK)
+        return perm[taken - -(-n // BLOCK) : taken]
+
+    def slots(table: list[int], first: int, last: int) -> torch.Tensor:
+        pos = torch.arange(first, last)
+        return torch.tensor(table)[pos // BLOCK] * BLOCK + pos % BLOCK
+
+    kc = torch.randn(BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+    vc = torch.randn(BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen).bfloat16()
+    fresh, (cached, chunk) = 45, (70, 30)
+    t_fresh, t_chunk = blocks(fresh), blocks(cached + chunk)
+    padded_b, padded_n = 2, 16
+    t_pad = [blocks(padded_n) for _ in range(padded_b)]
+    decode_lens = [33, 5, 1]
+    t_dec = [blocks(n) for n in decode_lens]
+    width = max(len(t) for t in t_dec)
+    slot_mapping = torch.cat(
+        [
+            slots(t_fresh, 0, fresh),
+            slots(t_chunk, cached, cached + chunk),
+            *(slots(t, 0, padded_n) for t in t_pad),
+            *(slots(t, n - 1, n) for t, n in zip(t_dec, decode_lens)),
+        ]
+    )
+    total = slot_mapping.shape[0]
+
+    def meta() -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            prefill=[
+                PrefillSeq(0, fresh, 0, None),
+                PrefillSeq(fresh, chunk, cached, torch.tensor(t_chunk)),
+            ],
+            num_prefill_tokens=fresh + chunk,
+            padded_shape=(padded_b, padded_n),
+            decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in t_dec]),
+            decode_context_lens=torch.tensor(decode_lens),
+        )
+
+    q = torch.randn(total, HEADS, DIM, generator=gen).bfloat16()
+    k, v = torch.randn(2, total, KV_HEADS, DIM, generator=gen).bfloat16()
+    caches = [(kc.clone(), vc.clone()) for _ in range(2)]
+    got = attention(q, k, v, caches[0], meta(), DIM**-0.5)
+    monkeypatch.setattr("plaserve.model.attention.varlen_attention", lambda: None)
+    want = attention(q, k, v, caches[1], meta(), DIM**-0.5)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+def test_no_compiler_no_kernel(monkeypatch, caplog):
+    kernels.varlen_attention.cache_clear()
+    try:
+        monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: "AVX512-BF16")
+        monkeypatch.setattr(kernels, "_compiler", lambda: None)
+        with caplog.at_level(logging.INFO, logger="plaserve.model.kernels"):
+            assert kernels.varlen_attention() is None
+        assert "no C++ compiler" in caplog.text
+        kernels.varlen_attention.cache_clear()
+        monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: None)
+        assert kernels.varlen_attention() is None
+        kernels.varlen_attention.cache_clear()
+        monkeypatch.setenv("PLASERVE_NATIVE_KERNELS", "0")
+        assert kernels.varlen_attention() is None
+    finally:
+        kernels.varlen_attention.cache_clear()
+
+
+def test_a_failing_build_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
+    """A compiler that fails (here: not a C++ compiler at all) leaves SDPA, with one warning."""
+    kernels.varlen_attention.cache_clear()
+    try:
+        monkeypatch.setenv("PLASERVE_CACHE", str(tmp_path))
+        monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: "AVX512-BF16")
+        monkeypatch.setattr(kernels, "_compiler", lambda: "false")
+        with caplog.at_level(logging.WARNING, logger="plaserve.model.kernels"):
+            assert kernels.varlen_attention() is None
+        assert "not built" in caplog.text
+        assert not list((tmp_path / "kernels").glob("*.so"))
+    finally:
+        kernels.varlen_attention.cache_clear()
