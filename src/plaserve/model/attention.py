@@ -102,20 +102,29 @@ class AttentionMetadata:
                 )
         return self._decode_inputs
 
-    def native_inputs(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def native_inputs(
+        self, block_size: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole batch as the native kernel's sequences (:mod:`plaserve.model.kernels`):
         ``q_starts`` (every packed token belongs to one sequence: a prefill, a padded row, a decode),
-        the flat cache slots of each sequence's keys (``k_index``) and their ``k_starts``. The same
-        for every layer: made by the first, reused by the others."""
+        the flat cache slots of each sequence's keys (``k_index``) and their ``k_starts``.
+        ``block_size`` None: there is no cache, and the keys are rows of the batch's own K/V (prompts
+        without a cached prefix only). The same for every layer: made by the first, reused by the
+        others."""
         if self._native_inputs is None:
+            own = (
+                torch.arange(self.slot_mapping.shape[0], device=self.slot_mapping.device)
+                if block_size is None
+                else self.slot_mapping
+            )
             q_lens, k_lens, k_slots = [], [], []
             for seq in self.prefill:
                 q_lens.append(seq.q_len)
                 k_lens.append(seq.num_cached + seq.q_len)
                 if seq.num_cached == 0:  # its keys are its own new tokens, just written
-                    k_slots.append(self.slot_mapping[seq.start : seq.start + seq.q_len])
+                    k_slots.append(own[seq.start : seq.start + seq.q_len])
                 else:
-                    assert seq.block_table is not None
+                    assert seq.block_table is not None and block_size is not None
                     k_slots.append(
                         _slots(seq.block_table, block_size)[: seq.num_cached + seq.q_len]
                     )
@@ -124,9 +133,9 @@ class AttentionMetadata:
                 p0 = self.num_prefill_tokens
                 q_lens += [n] * b
                 k_lens += [n] * b
-                k_slots.append(self.slot_mapping[p0 : p0 + b * n])
+                k_slots.append(own[p0 : p0 + b * n])
             if self.decode_block_tables is not None:
-                assert self.decode_context_lens is not None
+                assert self.decode_context_lens is not None and block_size is not None
                 tables, lens = self.decode_block_tables, self.decode_context_lens
                 slots = _slots(tables, block_size)  # [B, blocks * block_size]
                 k_slots.append(slots[torch.arange(slots.shape[1]) < lens[:, None]])
@@ -201,10 +210,13 @@ def attention(
         if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in NATIVE_HEAD_DIMS
         else None
     )
-    if native is not None and kv_cache is not None:
+    if native is not None:
         # One call for the whole batch, every sequence's keys read from the cache (just written).
-        kc, vc = (c.view(-1, *c.shape[2:]) for c in kv_cache)
-        native(q, kc, vc, out, *meta.native_inputs(kv_cache[0].shape[1]), scale)
+        if kv_cache is None:
+            native(q, k, v, out, *meta.native_inputs(None), scale)
+        else:
+            kc, vc = (c.view(-1, *c.shape[2:]) for c in kv_cache)
+            native(q, kc, vc, out, *meta.native_inputs(kv_cache[0].shape[1]), scale)
         return out
     for seq in meta.prefill:
         s, e = seq.start, seq.start + seq.q_len

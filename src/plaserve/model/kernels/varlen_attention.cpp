@@ -147,23 +147,46 @@ struct Batch {
 int64_t padded_keys(int64_t k_len) { return (k_len + 31) / 32 * 32; }
 
 // Pass 1: the keys of one (sequence, K/V head) into [chunk of 16][D/2][16][2], its values into
-// [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be).
+// [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be). Keys: per
+// chunk and dimension pair, one gather of the 16 keys' 32-bit pairs; values: per key pair, the two
+// rows interleaved by a permute, 32 dimensions at a time.
 template <int D>
 void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
              const int64_t* index, int64_t k_len, int64_t head, uint16_t* kp, uint16_t* vp) {
   const int64_t padded = padded_keys(k_len);
-  auto* kp32 = reinterpret_cast<int32_t*>(kp);
-  for (int64_t j = 0; j < padded; ++j) {
-    int32_t* kdst = kp32 + (j / 16) * (D / 2) * 16 + (j % 16);
-    uint16_t* vdst = vp + (j / 2) * D * 2 + (j % 2);
-    if (j < k_len) {
-      const uint16_t* ks = k + index[j] * k_stride + head * D;
-      const uint16_t* vs = v + index[j] * v_stride + head * D;
-      for (int dp = 0; dp < D / 2; ++dp) std::memcpy(kdst + dp * 16, ks + 2 * dp, 4);
-      for (int d = 0; d < D; ++d) vdst[d * 2] = vs[d];
-    } else {
-      for (int dp = 0; dp < D / 2; ++dp) kdst[dp * 16] = 0;
-      for (int d = 0; d < D; ++d) vdst[d * 2] = 0;
+  for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+    // byte offsets of the 16 keys' rows (0 for padding lanes, which the masks leave zero)
+    alignas(64) int64_t off[16];
+    for (int i = 0; i < 16; ++i)
+      off[i] = j0 + i < k_len ? (index[j0 + i] * k_stride + head * D) * 2 : 0;
+    const __mmask8 lo = first_lanes(static_cast<int>(k_len - j0)) & 0xFF;
+    const __mmask8 hi = first_lanes(static_cast<int>(k_len - j0 - 8)) & 0xFF;
+    const __m512i off_lo = _mm512_load_si512(off), off_hi = _mm512_load_si512(off + 8);
+    auto* dst = reinterpret_cast<int32_t*>(kp + j0 * D);  // chunk j0 / 16: (D / 2) x 16 pairs
+    for (int dp = 0; dp < D / 2; ++dp) {
+      const __m512i step = _mm512_set1_epi64(4 * dp);
+      const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), lo,
+                                                    _mm512_add_epi64(off_lo, step), k, 1);
+      const __m256i b = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), hi,
+                                                    _mm512_add_epi64(off_hi, step), k, 1);
+      _mm512_storeu_si512(dst + dp * 16, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+  }
+  // lane i of the interleave: element i / 2 of the first row (even i) or of the second (odd i)
+  alignas(64) uint16_t interleave[32];
+  for (int i = 0; i < 32; ++i) interleave[i] = static_cast<uint16_t>((i & 1) * 32 + i / 2);
+  const __m512i idx_lo = _mm512_loadu_si512(interleave);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  for (int64_t j = 0; j < padded; j += 2) {
+    const uint16_t* first = j < k_len ? v + index[j] * v_stride + head * D : nullptr;
+    const uint16_t* second = j + 1 < k_len ? v + index[j + 1] * v_stride + head * D : nullptr;
+    uint16_t* dst = vp + j * D;  // key pair j / 2
+    for (int c = 0; c < D; c += 32) {
+      const __mmask32 n = D - c >= 32 ? 0xFFFFFFFFu : (1u << (D - c)) - 1u;
+      const __m512i a = first ? _mm512_maskz_loadu_epi16(n, first + c) : _mm512_setzero_si512();
+      const __m512i b = second ? _mm512_maskz_loadu_epi16(n, second + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, idx_lo, b));
+      if (D - c > 16) _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, idx_hi, b));
     }
   }
 }
