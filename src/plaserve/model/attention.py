@@ -10,6 +10,8 @@ three layouts, each with its own fast path:
 * **decode** — one new token per request against its whole paged context, one batched SDPA call.
 
 Packed order is always: varlen prefill tokens, then padded tokens, then decode tokens.
+In bfloat16 on CPUs where :mod:`plaserve.model.kernels` built its native kernel, the whole batch is one
+call of that kernel per layer instead (every part a sequence of its own, keys read from the cache).
 flash-attn is used for varlen prefill when it is importable on CUDA; torch SDPA everywhere else. All
 SDPA calls use 4-D inputs: on CPU the fused kernel is only taken for 4-D (3-D is ~8x slower).
 """
