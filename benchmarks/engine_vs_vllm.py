@@ -91,6 +91,7 @@ import torch
 # engine_vs_hf, when imported by path (tests)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import plaserve  # noqa: E402
 from engine_vs_hf import log, prefill_flops  # noqa: E402
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
 from plaserve.cost import measure_peak_flops  # noqa: E402
@@ -299,6 +300,10 @@ class VllmProcess(PlaserveProcess):
 
     def child_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        if (
+            plaserve.OPENMP_SPIN_COUNT_SET
+        ):  # plaserve's OpenMP default, not the user's: vLLM keeps its own
+            env.pop("GOMP_SPINCOUNT", None)
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
             VLLM_CPU_OMP_THREADS_BIND=f"0-{self.threads - 1}",

@@ -7,6 +7,8 @@ the simulator) start without loading torch.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import Any
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SchedulerConfig", "RequestOutput", "SamplingParams"]
@@ -20,6 +22,23 @@ _WHERE = {
     "RequestOutput": "plaserve.request",
     "SamplingParams": "plaserve.request",
 }
+
+
+# How long torch's OpenMP threads (GNU libgomp) spin at a barrier before they sleep, in ``pause``
+# iterations: ~1.5 ms on the AVX512-BF16 EPYC (30 ns each), ~3.5 ms on the AMX Xeons (~70 ns). Long
+# enough that a step's parallel regions, with Python between them, find the threads awake (asleep, each
+# region waits ~100 us for a futex wake: decode ran 2-2.6x slower), short enough that idle threads stop
+# burning cores within a few ms (libgomp's default, 300,000, spun ~20 ms on the Xeons and, on a busy
+# machine, took the cores the stepping thread needed). libgomp reads it once, as torch loads it, which
+# is why it is set here, on ``import plaserve``, where torch is not loaded yet; the user's
+# ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` stands. Where torch came first, ``engine/omp_spin.py``
+# does what it can. docs/ARCHITECTURE.md, "CPU specifics".
+OPENMP_SPIN_COUNT = 50_000
+OPENMP_SPIN_COUNT_SET = "torch" not in sys.modules and not any(
+    os.environ.get(v) for v in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+)
+if OPENMP_SPIN_COUNT_SET:
+    os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
 
 
 def __getattr__(name: str) -> Any:

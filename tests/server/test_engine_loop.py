@@ -127,3 +127,38 @@ def test_choices_wait_for_the_first_to_share_its_prefill():
         and engine.num_waiting == 0
         and not engine.has_unfinished()
     )
+
+
+def test_on_own_thread_builds_and_steps_the_engine_on_one_thread():
+    """libgomp gives each thread that runs parallel regions a team of its own; the server's engine is
+    built, warmed up and stepped on one thread, so there is one (engine/omp_spin.py)."""
+    import threading
+
+    built_on: list[int] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.get_ident())
+        engine = LLMEngine(EngineConfig.from_kwargs(kv_cache_memory="64MiB", max_model_len=256))
+        engine.warm_up()
+        return engine
+
+    loop = EngineLoop.on_own_thread(build, max_queue=4)
+    try:
+        assert loop.alive and loop.max_queue == 4
+        assert built_on[0] != threading.get_ident()
+
+        async def steps_on() -> int:
+            return await loop.call(lambda _: threading.get_ident())
+
+        assert asyncio.run(steps_on()) == built_on[0]
+    finally:
+        loop.stop()
+    assert not loop.alive
+
+
+def test_on_own_thread_raises_what_building_raised():
+    def build() -> LLMEngine:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        EngineLoop.on_own_thread(build)

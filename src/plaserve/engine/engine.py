@@ -151,7 +151,7 @@ class LLMEngine:
             assert loaded is not None
             if self.device.type == "cpu":
                 keep_freed_memory()  # activations reuse freed memory instead of page-faulting in anew
-                throttle_spin_waits()  # OpenMP threads sleep instead of spinning for ms at a time
+                throttle_spin_waits()  # where torch was loaded before plaserve set a spin bound
             cfg = self.model_config
             kv_caches = allocate_kv_tensors(
                 cfg.num_hidden_layers,

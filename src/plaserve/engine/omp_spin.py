@@ -1,25 +1,24 @@
-"""Keep torch's OpenMP threads from spin-waiting for milliseconds between parallel regions (GNU libgomp).
+"""Torch's OpenMP threads (GNU libgomp) and their spin waits, where torch was loaded before plaserve.
 
-The CPU build of torch runs its intra-op parallelism on libgomp. After a parallel region (and at its
-closing barrier) a libgomp thread busy-waits ``GOMP_SPINCOUNT`` iterations before it sleeps: 300,000
-by default, each a ``pause`` instruction, which costs ~140 cycles on Sapphire Rapids and later (the AMX
-CPUs): ~20 ms of spinning every time a thread waits. A decode step runs hundreds of small parallel
-regions with Python in between, so each waiting thread spins through nearly the whole step. On a
-machine with a core to spare that only burns it; on a shared or busy one the spinning threads take the
-cores that the thread with the work needs, and a decode step measured 10-20x slower (2026-12-01, 2 cores,
-load 3-6: 128 bfloat16 decode steps of the embedded model 15-40 s instead of 1.5-2.5 s; ``perf`` put
-~75 % of the process's samples in libgomp's spin loop).
+After a parallel region (and at its closing barrier) a libgomp thread busy-waits ``GOMP_SPINCOUNT``
+iterations of ``pause`` before it sleeps on a futex. Too long and idle threads burn cores: libgomp's
+default, 300,000, is ~20 ms on the AMX Xeons (~140 cycles a pause), and on a shared or busy machine the
+spinning threads took the cores the stepping thread needed (2026-12-01, 2 cores, load 3-6: 128
+bfloat16 decode steps 15-40 s instead of 1.5-2.5 s; ``perf`` put ~75 % of the samples in the spin
+loop). Too short and every parallel region of a step waits for its threads to wake (~100 us each on
+the EPYC; decode 2-2.6x slower). ``import plaserve`` sets a bounded count (``OPENMP_SPIN_COUNT`` in
+``plaserve/__init__.py``) before torch loads libgomp, which reads it only then.
 
-libgomp spins only 1,000 iterations (its "throttled" count, ~70 us) while it manages more threads than
-there are CPUs. That is why an engine stepped on a second thread (as the server steps its engine) ran
-fast: that thread's OpenMP team came on top of the main thread's, so libgomp counted more threads than
-CPUs and throttled. :func:`throttle_spin_waits` makes this hold for every engine, whichever thread
-steps it: it parks one more thread that owns an OpenMP team of torch's size and then sleeps. Its team
-threads sleep too (after their one throttled spin); they cost memory for their stacks, no CPU.
+When torch came first that is too late: libgomp exports no call to change the count. What it does
+do is throttle its spins to 100 iterations while it manages more threads than there are CPUs, and
+:func:`throttle_spin_waits` gets there by parking one more thread that owns an OpenMP team of torch's
+size and then sleeps (its team threads sleep too: they cost stack memory, no CPU). That trades the
+wake-ups for safety on a busy machine. Where the count is set (by ``import plaserve`` or the user, as
+``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``) nothing is done.
 
-libgomp reads the spin count once, at load, from the environment, and exports no call to change it, so
-this is the only way to get there from inside a process that already imported torch. Where the user
-set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` themselves, their choice stands and nothing is done.
+The same throttling catches a process where two threads run parallel regions (each gets a team):
+the server therefore builds, warms up and steps its engine on one thread
+(``server/engine_loop.py: EngineLoop.on_own_thread``).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_USER_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+_SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 _parked: threading.Thread | None = None
 _lock = threading.Lock()
 
@@ -57,13 +56,14 @@ def _own_a_team(ready: threading.Event) -> None:
 
 def throttle_spin_waits() -> bool:
     """Park a thread that holds an extra OpenMP team, so that libgomp throttles its spin waits
-    (process-wide, once). Returns whether that is in force: False where the user chose a wait policy,
-    torch runs one thread (nothing waits) or its parallel backend is not OpenMP."""
+    (process-wide, once). Returns whether that is in force: False where the spin count was set
+    (``import plaserve`` before torch, or the user), torch runs one thread (nothing waits) or its
+    parallel backend is not OpenMP."""
     global _parked
     with _lock:
         if _parked is not None:
             return True
-        if any(os.environ.get(v) for v in _USER_SETTINGS) or torch.get_num_threads() < 2:
+        if any(os.environ.get(v) for v in _SPIN_SETTINGS) or torch.get_num_threads() < 2:
             return False
         if "OpenMP" not in torch.__config__.parallel_info():
             return False

@@ -320,18 +320,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue is not None and args.max_queue < 1:
         print("plaserve serve: --max-queue must be at least 1", file=sys.stderr)
         return 2
-    try:
-        limits = http_limits_from_args(args)
-        tool_parser = tool_parser_from_args(args)
-        chat_template = read_chat_template(args.chat_template)
-        engine = LLMEngine(engine_config_from_args(args))
-        sampling_defaults = sampling_defaults_from_args(args, engine.loaded.path)
-    except (ValueError, TypeError, OSError) as e:
-        print(f"plaserve serve: {e}", file=sys.stderr)
-        return 2
-    if chat_template is not None:
-        engine.tokenizer.chat_template = chat_template
-    engine.warm_up()
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -340,8 +328,31 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    name = args.served_model_name or engine.loaded.name
-    loop = EngineLoop(engine, max_queue=args.max_queue, on_fatal=on_fatal, model_name=name)
+    sampling_defaults: dict = {}
+
+    def build_engine() -> LLMEngine:  # on the engine's thread, which will step it
+        engine = LLMEngine(engine_config_from_args(args))
+        sampling_defaults.update(sampling_defaults_from_args(args, engine.loaded.path))
+        if chat_template is not None:
+            engine.tokenizer.chat_template = chat_template
+        engine.warm_up()
+        return engine
+
+    try:
+        limits = http_limits_from_args(args)
+        tool_parser = tool_parser_from_args(args)
+        chat_template = read_chat_template(args.chat_template)
+        loop = EngineLoop.on_own_thread(
+            build_engine,
+            max_queue=args.max_queue,
+            on_fatal=on_fatal,
+            model_name=args.served_model_name,
+        )
+        engine = loop.engine
+    except (ValueError, TypeError, OSError) as e:
+        print(f"plaserve serve: {e}", file=sys.stderr)
+        return 2
+    name = loop.model_name
     pd = None
     if args.pd_role != "both" or args.kv_transfer_port is not None:
         from plaserve.server.pd import PDWorker

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -71,8 +72,8 @@ def deliver(items: list[tuple[OutputSink, RequestOutput | BaseException]]) -> No
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, tuple]]) -> None:
-    for queue, item in puts:
-        queue.put_nowait(item)
+    for q, item in puts:
+        q.put_nowait(item)
 
 
 @dataclass
@@ -193,6 +194,34 @@ class EngineLoop:
         self._snapshot = self._take_snapshot(pending=0)
 
     # --- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    def on_own_thread(cls, build: Callable[[], LLMEngine], **kwargs: Any) -> "EngineLoop":
+        """Start a thread that builds the engine (``build()``: load, warm up), then runs the loop;
+        return the running loop (or raise what ``build`` raised). ``kwargs`` go to the constructor.
+
+        Why one thread for both: libgomp gives each thread that runs a parallel region an OpenMP team
+        of its own, and once its teams hold more threads than there are CPUs it throttles every spin
+        wait to 100 iterations. An engine built and warmed up on one thread and stepped on another
+        made two teams, and every parallel region of a step then waited for its threads to wake
+        (decode through the server ran at half the offline speed on 2 CPUs; engine/omp_spin.py)."""
+        handoff: queue.Queue[EngineLoop | BaseException] = queue.Queue(maxsize=1)
+
+        def main() -> None:
+            try:
+                loop = cls(build(), **kwargs)
+            except BaseException as e:  # noqa: BLE001 - the caller raises it
+                handoff.put(e)
+                return
+            loop._thread = threading.current_thread()
+            handoff.put(loop)
+            loop._run()
+
+        threading.Thread(target=main, name="plaserve-engine", daemon=True).start()
+        got = handoff.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
     def start(self) -> None:
         """Start the engine thread (once)."""
         if self._thread is None:
