@@ -83,9 +83,12 @@ def measure(
 ) -> dict[str, Any]:
     """Every figure of one tree (the one on ``sys.path``), in this process; times by the process's CPU
     time on one thread, else by the wall clock."""
+    # plaserve before torch, as in `plaserve serve` and a user's `import plaserve`: a tree that sets
+    # OpenMP's spin count on import (plaserve/__init__.py) gets it applied.
+    from plaserve import EngineConfig, LLMEngine, SamplingParams  # isort: skip
+
     import torch
 
-    from plaserve import EngineConfig, LLMEngine, SamplingParams
     from plaserve.engine.host_memory import keep_freed_memory
     from plaserve.model.config import ModelConfig
     from plaserve.model.loader import load_model, random_model

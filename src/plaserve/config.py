@@ -72,7 +72,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU, bfloat16 / float16: torch.compile the per-token elementwise work (norms, rotary, SwiGLU) of
     # steps of at least this many tokens (None: all eager). Needs a C++ compiler, else it runs eagerly.
-    compile_min_tokens: int | None = 64
+    # Below it dynamo's guards cost what fusing saves (docs/ARCHITECTURE.md, CPU specifics).
+    compile_min_tokens: int | None = 512
     use_cuda_graphs: bool = True  # capture the (batch, bucket) grid as CUDA graphs on CUDA
     # Activation memory the static grid may take (captured graphs keep theirs reserved): bytes, a size
     # string or a fraction of free device memory. It caps the tokens of one padded batch, so the grid
