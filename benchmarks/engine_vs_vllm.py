@@ -300,9 +300,9 @@ class VllmProcess(PlaserveProcess):
 
     def child_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-        if (
-            plaserve.OPENMP_SPIN_COUNT_SET
-        ):  # plaserve's OpenMP default, not the user's: vLLM keeps its own
+        # plaserve's OpenMP default (set if plaserve was imported first), not the user's: vLLM keeps
+        # its own.
+        if plaserve.OPENMP_SPIN_COUNT_SET:
             env.pop("GOMP_SPINCOUNT", None)
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),

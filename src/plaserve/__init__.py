@@ -25,7 +25,8 @@ _WHERE = {
 
 
 # How long torch's OpenMP threads (GNU libgomp) spin at a barrier before they sleep, in ``pause``
-# iterations: ~1.5 ms on the AVX512-BF16 EPYC (30 ns each), ~3.5 ms on the AMX Xeons (~70 ns). Long
+# iterations: ~1.5 ms on the AVX512-BF16 EPYC (~30 ns each, measured), ~3.5 ms on the AMX Xeons
+# (estimated from their ~140-cycle pause). Long
 # enough that a step's parallel regions, with Python between them, find the threads awake (asleep, each
 # region waits ~100 us for a futex wake: decode ran 2-2.6x slower), short enough that idle threads stop
 # burning cores within a few ms (libgomp's default, 300,000, spun ~20 ms on the Xeons and, on a busy
@@ -34,8 +35,9 @@ _WHERE = {
 # ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` stands. Where torch came first, ``engine/omp_spin.py``
 # does what it can. docs/ARCHITECTURE.md, "CPU specifics".
 OPENMP_SPIN_COUNT = 50_000
+OPENMP_SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # either one decides the spin
 OPENMP_SPIN_COUNT_SET = "torch" not in sys.modules and not any(
-    os.environ.get(v) for v in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+    os.environ.get(v) for v in OPENMP_SPIN_SETTINGS
 )
 if OPENMP_SPIN_COUNT_SET:
     os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)

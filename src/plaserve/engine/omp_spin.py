@@ -33,7 +33,6 @@ import plaserve
 
 log = logging.getLogger(__name__)
 
-_SPIN_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 _parked: threading.Thread | None = None
 _lock = threading.Lock()
 
@@ -65,7 +64,10 @@ def throttle_spin_waits() -> bool:
     with _lock:
         if _parked is not None:
             return True
-        if any(os.environ.get(v) for v in _SPIN_SETTINGS) or torch.get_num_threads() < 2:
+        if (
+            any(os.environ.get(v) for v in plaserve.OPENMP_SPIN_SETTINGS)
+            or torch.get_num_threads() < 2
+        ):
             return False
         if "OpenMP" not in torch.__config__.parallel_info():
             return False
