@@ -2,10 +2,11 @@
 process, nothing else running) and through ``plaserve serve`` (streamed and whole responses, one
 aiohttp client in this process).
 
-The server's engine runs on a thread of the HTTP process: whatever Python the event loop runs
-(parsing, SSE chunks, JSON) holds the GIL the engine thread needs between its torch calls, and decode
-steps of a small model are mostly such host work. This measures how much: decode tokens/s at a few
-batch sizes, and a burst of mixed prompts, as HTTP / offline ratios (1.0 = no cost).
+Two servers, both idle while the other is measured: ``--engine-mode process``, whose engine runs in
+a process of its own, and ``--engine-mode thread``, whose engine runs on a thread of the HTTP process, where whatever
+Python the event loop runs (parsing, SSE chunks, JSON) holds the GIL the engine thread needs between
+its torch calls. This measures what each costs: decode tokens/s at a few batch sizes, and a burst of
+mixed prompts, as HTTP / offline ratios (1.0 = no cost).
 
     PYTHONPATH=src .venv/bin/python benchmarks/http_overhead.py [--dtype bfloat16] [--out out/http.json]
 
@@ -103,16 +104,23 @@ def main() -> int:
         args.dtype,
     ]
     rows = []
-    with ServerProcess(flags) as server:
+    with (
+        ServerProcess([*flags, "--engine-mode", "process"]) as server,
+        ServerProcess([*flags, "--engine-mode", "thread"]) as threaded,
+    ):
         for case in cases():
             tokens = len(case.prompts) * case.max_tokens
-            asyncio.run(over_http(server.url, case, True))  # warm-up of the shapes on both sides
+            for url in (server.url, threaded.url):  # warm-up of the shapes on every side
+                asyncio.run(over_http(url, case, True))
             offline(engine, case)
-            best = {"offline": 1e9, "stream": 1e9, "whole": 1e9}
-            for _ in range(args.reps):  # interleaved, so both sides see the same background load
+            best = {"offline": 1e9, "stream": 1e9, "whole": 1e9, "thread_stream": 1e9}
+            for _ in range(args.reps):  # interleaved, so every side sees the same background load
                 best["offline"] = min(best["offline"], offline(engine, case))
                 best["stream"] = min(best["stream"], asyncio.run(over_http(server.url, case, True)))
                 best["whole"] = min(best["whole"], asyncio.run(over_http(server.url, case, False)))
+                best["thread_stream"] = min(
+                    best["thread_stream"], asyncio.run(over_http(threaded.url, case, True))
+                )
             rows.append(
                 {
                     "case": case.name,
@@ -124,13 +132,14 @@ def main() -> int:
     print(f"dtype {engine.dtype}, load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}\n")
     print(
         "| case | offline s | HTTP streamed s | HTTP whole s | streamed / offline | whole / offline | "
-        "offline tok/s | streamed tok/s |"
+        "engine thread: streamed / offline | offline tok/s | streamed tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['case']} | {r['offline']:.3f} | {r['stream']:.3f} | {r['whole']:.3f} | "
             f"{r['stream'] / r['offline']:.2f} | {r['whole'] / r['offline']:.2f} | "
+            f"{r['thread_stream'] / r['offline']:.2f} | "
             f"{r['output_tokens'] / r['offline']:.0f} | {r['output_tokens'] / r['stream']:.0f} |"
         )
     if args.out:

@@ -23,31 +23,14 @@ from plaserve import EngineConfig, LLMEngine
 from plaserve.launcher import free_port
 from plaserve.server.app import build_app
 from plaserve.server.connections import http_protocol
-from plaserve.server.engine_loop import EngineLoop
+from plaserve.server.engine_loop import EngineHandle, EngineLoop
+from plaserve.testing.faults import FailingRunner
 
 from .test_faults import wait_idle
 
 
-class FailingRunner:
-    """Wraps the engine's runner: the steps numbered in ``fail_at`` (counting from 1) raise."""
-
-    def __init__(self, inner, fail_at: set[int]) -> None:
-        self.inner = inner
-        self.fail_at = fail_at
-        self.calls = 0
-
-    def execute(self, batch):
-        self.calls += 1
-        if self.calls in self.fail_at:
-            raise RuntimeError(f"injected failure at step {self.calls}")
-        return self.inner.execute(batch)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 @contextmanager
-def live_server(loop: EngineLoop, **app_kwargs: Any) -> Iterator[str]:
+def live_server(loop: EngineHandle, **app_kwargs: Any) -> Iterator[str]:
     """``loop`` served over HTTP on 127.0.0.1 by uvicorn on a thread of this process (``app_kwargs``:
     for ``build_app``); yields the base URL."""
     port = free_port()
@@ -126,31 +109,36 @@ def test_a_failed_step_fails_its_requests_cleanly_frees_kv_and_the_engine_restar
     engine.runner = FailingRunner(engine.runner, fail_at={6})
     loop = EngineLoop(engine)
     with live_server(loop) as url:
-
-        async def burst() -> list[str]:
-            async with httpx.AsyncClient(timeout=60) as client:
-                return await asyncio.gather(
-                    *(stream(client, url, 40 + 40 * (i % 3)) for i in range(6))
-                )
-
-        outcomes = asyncio.run(burst())
-        assert set(outcomes) <= {"ok", "error_event", "http_503"}, outcomes
-        assert "error_event" in outcomes  # the step failed with requests in flight
-        # Clients hear of the failure before the reset is done (/health answers 503 meanwhile).
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{url}/health").status_code != 200:
-            assert time.monotonic() < deadline, "the engine did not come back"
-            time.sleep(0.05)
+        fails_then_recovers(url)
         assert loop.restarts == 1
-        wait_idle(url)  # every block freed
-        # The restarted engine serves as before.
-        again = httpx.post(
-            f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
-        )
-        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
-        metrics = httpx.get(f"{url}/metrics").text
-        assert "plaserve_engine_restarts_total 1.0" in metrics
-        assert 'finish_reason="error"' in metrics
+
+
+def fails_then_recovers(url: str) -> None:
+    """Six streams against a server whose engine fails one step (part-way through their prefills or
+    decodes): some get an error event, none hangs; the engine comes back with every KV block free,
+    serves again, and its metrics count the restart and the failed requests."""
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(stream(client, url, 40 + 40 * (i % 3)) for i in range(6)))
+
+    outcomes = asyncio.run(burst())
+    assert set(outcomes) <= {"ok", "error_event", "http_503"}, outcomes
+    assert "error_event" in outcomes  # the step failed with requests in flight
+    # Clients hear of the failure before the reset is done (/health answers 503 meanwhile).
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(0.05)
+    wait_idle(url)  # every block freed
+    # The restarted engine serves as before.
+    again = httpx.post(
+        f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}
+    )
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+    metrics = httpx.get(f"{url}/metrics").text
+    assert "plaserve_engine_restarts_total 1.0" in metrics
+    assert 'finish_reason="error"' in metrics
 
 
 def test_faults_that_keep_coming_make_the_loop_give_up_and_call_on_fatal(engine: LLMEngine) -> None:

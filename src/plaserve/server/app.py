@@ -33,7 +33,7 @@ from plaserve.server import responses as R
 from plaserve.server.auth import ApiKeyMiddleware
 from plaserve.server.connections import ErrorGuard
 from plaserve.server.deltas import DeltaTracker
-from plaserve.server.engine_loop import EngineLoop
+from plaserve.server.engine_loop import EngineHandle, EngineStoppedError
 from plaserve.server.errors import ApiError, error_body
 from plaserve.server.generation import (
     ClientDisconnected,
@@ -86,14 +86,14 @@ class _Handlers:
 
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        engine_loop: EngineHandle,
         served_model_name: str,
         http_limits: HttpLimits,
         pd: PDWorker | None = None,
         tool_parser: ToolParser | None = None,
         sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
-        engine = engine_loop.engine
+        facts = engine_loop.facts
         self.pd = pd
         # --generation-config: the model's defaults for fields a request leaves out; its
         # max_new_tokens caps the max_tokens an endpoint picks by itself
@@ -104,36 +104,34 @@ class _Handlers:
         # for their tool-call parser.
         self._eos_texts = tuple(
             t
-            for i in engine.model_config.eos_token_ids
-            if (t := engine.tokenizer.decode([i], skip_special_tokens=False))
+            for i in facts.eos_token_ids
+            if (t := facts.tokenizer.decode([i], skip_special_tokens=False))
         )
         self.http_limits = http_limits
         self.loop = engine_loop
         self.model_name = served_model_name
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = facts.tokenizer
         self._token_texts: dict[
             int, str
         ] = {}  # logprobs' token texts: at most one per vocabulary id
-        self.limits = ModelLimits(
-            max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size
-        )
-        self.model_path = engine.loaded.path
+        self.limits = ModelLimits(max_model_len=facts.max_model_len, vocab_size=facts.vocab_size)
+        self.model_path = facts.model_path
         self.created = int(time.time())
         self.server_info = {
-            "model_path": engine.loaded.path or engine.loaded.name,
-            "tokenizer_path": engine.loaded.path or engine.loaded.name,
+            "model_path": facts.model_path or facts.model_name,
+            "tokenizer_path": facts.model_path or facts.model_name,
             "served_model_name": served_model_name,
-            "random_weights": engine.loaded.random_weights,
+            "random_weights": facts.random_weights,
             "version": plaserve.__version__,
             "dp_size": 1,
             "tp_size": 1,
-            "context_length": engine.max_model_len,
-            "max_running_requests": engine.scheduler.max_num_seqs,
-            "max_total_tokens": engine.allocator.num_blocks * engine.allocator.block_size,
+            "context_length": facts.max_model_len,
+            "max_running_requests": facts.max_num_seqs,
+            "max_total_tokens": facts.max_total_tokens,
             "max_queue": engine_loop.max_queue,
             "policy": engine_loop.snapshot().load.get("policy"),
-            "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."),
+            "device": facts.device,
+            "dtype": facts.dtype,
         }
 
     # --- helpers -------------------------------------------------------------------------------
@@ -229,7 +227,7 @@ class _Handlers:
         try:
             return Generation.submit(self.loop, rid, prompts, params, n)
         except ApiError:
-            self.loop.engine.kv_handoff.forget(f"{rid}-0")
+            self.pd.forget(f"{rid}-0")
             raise
 
     def _kv_export(self, kvp: Any, rid: str, outputs: list, body: dict[str, Any]) -> dict[str, Any]:
@@ -410,7 +408,7 @@ class _Handlers:
                     R.usage_chunk(rid, created, name, "text_completion", gen.outputs(), sampling.n)
                 )
         except ApiError as e:  # headers are sent already: report the error in the stream
-            self.loop.metrics.count_error(e.status)
+            self.loop.count_error(e.status)
             yield R.sse(e.body())
         finally:
             gen.close()
@@ -471,7 +469,7 @@ class _Handlers:
                     )
                 )
         except ApiError as e:
-            self.loop.metrics.count_error(e.status)
+            self.loop.count_error(e.status)
             yield R.sse(e.body())
         finally:
             gen.close()
@@ -511,7 +509,11 @@ class _Handlers:
     async def metrics(self, request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(self.loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        try:
+            exposition = await self.loop.render_metrics()
+        except EngineStoppedError as e:
+            raise ApiError(503, str(e)) from None
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     async def load(self, request: Request) -> Response:
         snap = self.loop.snapshot()
@@ -562,7 +564,7 @@ class _Handlers:
 
 
 def build_app(
-    engine_loop: EngineLoop,
+    engine_loop: EngineHandle,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
@@ -578,9 +580,9 @@ def build_app(
     ``sampling_defaults``: the model's defaults for the sampling fields a request leaves out
     (``--generation-config``)."""
     parser = PARSERS[tool_parser]() if tool_parser is not None else None
-    name = served_model_name or engine_loop.engine.loaded.name
+    name = served_model_name or engine_loop.model_name
     h = _Handlers(engine_loop, name, http_limits, pd, parser, sampling_defaults)
-    count_error: Callable[[int], None] = engine_loop.metrics.count_error
+    count_error: Callable[[int], None] = engine_loop.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
 from plaserve.config import EngineConfig
 
 if TYPE_CHECKING:
+    from plaserve.engine.engine import LLMEngine
     from plaserve.server.app import HttpLimits
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="requests allowed to wait before new ones get 429 (default: unbounded)",
+    )
+    p.add_argument(
+        "--engine-mode",
+        choices=("auto", "process", "thread"),
+        default="auto",
+        help="where the engine runs: a process of its own (HTTP work never holds its GIL), a "
+        "thread of the server's process (no pipe between them), or auto (default): a process "
+        "where the CPUs outnumber torch's threads, a thread where the engine's threads take every "
+        "CPU (docs/SERVER.md); prefill/decode roles always use a thread",
     )
     p.add_argument(
         "--served-model-name",
@@ -275,7 +286,6 @@ def tool_parser_from_args(args: argparse.Namespace) -> str | None:
 def sampling_defaults_from_args(args: argparse.Namespace, model_dir: str | None) -> dict:
     """The request defaults ``--generation-config`` sets (see ``generation_config_defaults``)."""
     import json
-    import os
 
     from plaserve.server.protocol import generation_config_defaults
 
@@ -306,16 +316,49 @@ def read_chat_template(path: str | None) -> str | None:
         return f.read()
 
 
+def engine_mode(requested: str, pd_worker: bool) -> str:
+    """``"process"`` or ``"thread"``: where ``--engine-mode requested`` runs the engine.
+
+    A process spares the engine the GIL the HTTP side holds, but costs a pipe hop and pickling per
+    step, and its HTTP work can only run on a CPU the engine's threads leave free: with 1 of 2 CPUs
+    left, streamed decode of 64 ran at 1.06x the offline time in a process against 1.24x on a thread;
+    with both taken, at 1.66x against 1.28x (docs/BENCHMARKS.md). Prefill/decode workers hand KV
+    blocks over on the engine's books in-process, so they always use a thread."""
+    if pd_worker:
+        if requested == "process":
+            log.warning("--engine-mode process: prefill/decode roles run the engine on a thread")
+        return "thread"
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "process" if len(os.sched_getaffinity(0)) > torch.get_num_threads() else "thread"
+
+
+def build_engine(args: argparse.Namespace, chat_template: str | None) -> LLMEngine:
+    """The engine ``args`` describe, with ``chat_template`` (``--chat-template``) set, warmed up: run
+    on the thread that will step it (see ``EngineLoop.on_own_thread``), in whichever process."""
+    from plaserve.engine.engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
+    engine.warm_up()
+    return engine
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine and serve until interrupted. Returns the process exit status: 0 after a normal
     shutdown, 1 when the engine failed beyond recovery (for a supervisor to restart the process), 2 for
     bad arguments."""
+    import functools
+
     import uvicorn
 
-    from plaserve.engine.engine import LLMEngine
     from plaserve.server.app import build_app
     from plaserve.server.connections import http_protocol
-    from plaserve.server.engine_loop import EngineLoop
+    from plaserve.server.engine_loop import EngineHandle, EngineLoop
+    from plaserve.server.engine_process import EngineProcess
 
     if args.max_queue is not None and args.max_queue < 1:
         print("plaserve serve: --max-queue must be at least 1", file=sys.stderr)
@@ -328,34 +371,31 @@ def run_serve(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    sampling_defaults: dict = {}
-
-    def build_engine() -> LLMEngine:  # on the engine's thread, which will step it
-        engine = LLMEngine(engine_config_from_args(args))
-        sampling_defaults.update(sampling_defaults_from_args(args, engine.loaded.path))
-        if chat_template is not None:
-            engine.tokenizer.chat_template = chat_template
-        engine.warm_up()
-        return engine
-
+    pd_worker = args.pd_role != "both" or args.kv_transfer_port is not None
+    loop: EngineHandle
     try:
         limits = http_limits_from_args(args)
         tool_parser = tool_parser_from_args(args)
         chat_template = read_chat_template(args.chat_template)
-        loop = EngineLoop.on_own_thread(
-            build_engine,
-            max_queue=args.max_queue,
-            on_fatal=on_fatal,
-            model_name=args.served_model_name,
+        build = functools.partial(build_engine, args, chat_template)
+        kwargs = dict(
+            max_queue=args.max_queue, on_fatal=on_fatal, model_name=args.served_model_name
         )
-        engine = loop.engine
+        if engine_mode(args.engine_mode, pd_worker) == "thread":
+            loop = EngineLoop.on_own_thread(build, **kwargs)
+        else:
+            loop = EngineProcess(build, log_level=logging.getLogger().level, **kwargs)
+        sampling_defaults = sampling_defaults_from_args(args, loop.facts.model_path)
     except (ValueError, TypeError, OSError) as e:
         print(f"plaserve serve: {e}", file=sys.stderr)
         return 2
+    facts = loop.facts
     name = loop.model_name
     pd = None
-    if args.pd_role != "both" or args.kv_transfer_port is not None:
+    if pd_worker:
         from plaserve.server.pd import PDWorker
+
+        assert isinstance(loop, EngineLoop)
 
         pd = PDWorker(
             loop,
@@ -375,14 +415,14 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_parser=tool_parser,
         sampling_defaults=sampling_defaults,
     )
-    if engine.loaded.random_weights:
+    if facts.random_weights:
         print(
             f"NOTE: serving '{name}' with RANDOM WEIGHTS: its text is gibberish by design",
             file=sys.stderr,
         )
     print(
         f"plaserve: serving '{name}' on http://{args.host}:{args.port} (policy {loop.snapshot().load['policy']}, "
-        f"max_model_len {engine.max_model_len}"
+        f"max_model_len {facts.max_model_len}"
         + (f", pd role {args.pd_role}" if pd is not None else "")
         + ")",
         file=sys.stderr,

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Protocol, Union
 
 from plaserve.engine.engine import LLMEngine
 from plaserve.request import Request, RequestOutput, SamplingParams
@@ -41,16 +41,43 @@ class EngineFailedError(EngineStoppedError):
     """A step raised: the requests in flight were dropped and the engine restarted (see the log)."""
 
 
+class Outbox(Protocol):
+    """Carries outputs from the engine's thread to where their requests wait. ``send`` gets
+    ``(key, (index, item))`` pairs, all of one step for this outbox; it must not block for long."""
+
+    def send(self, puts: list[tuple[Any, tuple[int, RequestOutput | BaseException]]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class EventLoopOutbox:
+    """Into asyncio queues (the keys) on ``loop``: one wake-up of the loop for all of a step's items."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def send(self, puts: list[tuple[Any, tuple[int, RequestOutput | BaseException]]]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_put_all, puts)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+
 class OutputSink:
     """Where one request's outputs go: an asyncio queue on the HTTP event loop, items tagged with the
-    request's choice ``index`` (one HTTP request may carry several prompts sharing one queue)."""
+    request's choice ``index`` (one HTTP request may carry several prompts sharing one queue).
+    :meth:`into` makes one that goes through another :class:`Outbox` (the engine process's pipe)."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int = 0
     ) -> None:
-        self.loop = loop
-        self.queue = queue
+        self.outbox: Outbox = EventLoopOutbox(loop)
+        self.key: Any = queue
         self.index = index
+
+    @classmethod
+    def into(cls, outbox: Outbox, key: Any, index: int = 0) -> "OutputSink":
+        sink = cls.__new__(cls)
+        sink.outbox, sink.key, sink.index = outbox, key, index
+        return sink
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Hand ``item`` over from any thread."""
@@ -58,17 +85,14 @@ class OutputSink:
 
 
 def deliver(items: list[tuple[OutputSink, RequestOutput | BaseException]]) -> None:
-    """Hand each item to its sink from any thread: one wake-up of each event loop for all of its items
-    (every ``call_soon_threadsafe`` writes to the loop's wake-up pipe: a system call a token a request,
-    which a decode step of 64 requests would pay 64 times)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple]]] = {}
+    """Hand each item to its sink from any thread: one :meth:`Outbox.send` per outbox for all of its
+    items (every ``call_soon_threadsafe`` writes to the loop's wake-up pipe: a system call a token a
+    request, which a decode step of 64 requests would pay 64 times)."""
+    by_outbox: dict[Outbox, list[tuple[Any, tuple]]] = {}
     for sink, item in items:
-        by_loop.setdefault(sink.loop, []).append((sink.queue, (sink.index, item)))
-    for loop, puts in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, puts)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        by_outbox.setdefault(sink.outbox, []).append((sink.key, (sink.index, item)))
+    for outbox, puts in by_outbox.items():
+        outbox.send(puts)
 
 
 def _put_all(puts: list[tuple[asyncio.Queue, tuple]]) -> None:
@@ -99,12 +123,11 @@ class _Abort:
 
 @dataclass
 class _Call:
-    """Run ``fn(loop)`` on the engine thread between steps; its result or exception goes to ``future``
-    (an asyncio future on ``aloop``)."""
+    """Run ``fn(loop)`` on the engine thread between steps; ``settle(ok, result or exception)`` is
+    called with the outcome, on the engine thread."""
 
     fn: Callable[["EngineLoop"], Any]
-    aloop: asyncio.AbstractEventLoop
-    future: asyncio.Future
+    settle: Callable[[bool, Any], None]
 
 
 _Command = Union[Submission, _Abort, _Call]
@@ -127,6 +150,87 @@ class EngineSnapshot:
     def age(self) -> float:
         """Seconds since the snapshot was taken."""
         return max(0.0, time.monotonic() - self.monotonic)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the HTTP side reads of the engine, fixed once it is built (and picklable: the engine
+    process sends it to the server's)."""
+
+    tokenizer: Any  # plaserve.model.tokenizer's tokenizer, with the served chat template
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_model_len: int
+    model_name: str  # the loaded model's name (the served name unless --served-model-name)
+    model_path: str | None  # its directory (None: the embedded default model)
+    random_weights: bool
+    max_num_seqs: int
+    max_total_tokens: int  # KV cache capacity in tokens
+    device: str
+    dtype: str
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineFacts":
+        loaded = engine.loaded  # None for an engine given its runner (tests)
+        return cls(
+            tokenizer=engine.tokenizer,
+            eos_token_ids=tuple(engine.model_config.eos_token_ids),
+            vocab_size=engine.model_config.vocab_size,
+            max_model_len=engine.max_model_len,
+            model_name=loaded.name if loaded is not None else "plaserve",
+            model_path=loaded.path if loaded is not None else None,
+            random_weights=loaded.random_weights if loaded is not None else False,
+            max_num_seqs=engine.scheduler.max_num_seqs,
+            max_total_tokens=engine.allocator.num_blocks * engine.allocator.block_size,
+            device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."),
+        )
+
+
+def check_queue(max_queue: int | None, queued: int, adding: int, snapshot: EngineSnapshot) -> None:
+    """Refuse ``adding`` more requests where ``queued`` already wait for a place: ValueError for more
+    than the queue can ever hold, :class:`QueueFullError` (with the backlog as the retry hint) for more
+    than it holds now."""
+    if max_queue is None:
+        return
+    if adding > max_queue:
+        raise ValueError(
+            f"the request has {adding} prompts and choices; this server queues "
+            f"at most {max_queue} requests at once"
+        )
+    if queued + adding > max_queue:
+        backlog = sum(snapshot.load.get("backlog_s", {}).values())
+        raise QueueFullError(
+            f"the request queue is full ({queued} waiting, limit {max_queue}); retry later",
+            retry_after=backlog,
+        )
+
+
+class EngineHandle(Protocol):
+    """What the HTTP handlers use of an engine: :class:`EngineLoop` (a thread of this process) or
+    :class:`plaserve.server.engine_process.EngineProcess` (a process of its own)."""
+
+    facts: EngineFacts
+    model_name: str  # the served name, as the API and the metrics report it
+    max_queue: int | None
+    clock: Callable[[], float]  # the engine's clock, which ``Submission.arrival_time`` is on
+
+    @property
+    def alive(self) -> bool: ...
+
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def submit(self, submissions: list[Submission]) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def count_error(self, status: int) -> None: ...
+
+    async def render_metrics(self) -> bytes: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 30.0) -> None: ...
 
 
 @dataclass
@@ -165,14 +269,16 @@ class EngineLoop:
         restart_window: float = 60.0,
         on_fatal: Callable[[BaseException], None] | None = None,
         model_name: str | None = None,
+        on_change: Callable[["EngineLoop"], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.facts = EngineFacts.of(engine)
         self.max_queue = max_queue
         self.snapshot_interval = snapshot_interval
         self.max_idle_wait = max_idle_wait  # longest sleep while the policy holds queued work back
         self.clock = engine.clock
         # The name vLLM's metrics carry (``model_name``): the served name, as the API reports it.
-        self.model_name = model_name or (engine.loaded.name if engine.loaded else "plaserve")
+        self.model_name = model_name or self.facts.model_name
         self.metrics = ServerMetrics(snapshot=self.snapshot, model_name=self.model_name)
         self._cond = threading.Condition()
         self._inbox: list[_Command] = []
@@ -188,6 +294,10 @@ class EngineLoop:
         self.on_fatal = on_fatal
         self.restarts = 0  # failures recovered from, ever
         self._restart_times: list[float] = []
+        # Called on the engine thread when the snapshot, the waiting count or ``alive`` may have
+        # changed (the engine process forwards them to the server's process).
+        self.on_change = on_change
+        self.num_taken = 0  # submissions taken from the inbox (added or refused), ever
         self._tracked: dict[str, _Tracked] = {}
         self._thread: threading.Thread | None = None
         self._last_publish = 0.0
@@ -212,15 +322,19 @@ class EngineLoop:
             except BaseException as e:  # noqa: BLE001 - the caller raises it
                 handoff.put(e)
                 return
-            loop._thread = threading.current_thread()
             handoff.put(loop)
-            loop._run()
+            loop.run_here()
 
         threading.Thread(target=main, name="plaserve-engine", daemon=True).start()
         got = handoff.get()
         if isinstance(got, BaseException):
             raise got
         return got
+
+    def run_here(self) -> None:
+        """Run the loop on the calling thread until :meth:`stop` (instead of :meth:`start`)."""
+        self._thread = threading.current_thread()
+        self._run()
 
     def start(self) -> None:
         """Start the engine thread (once)."""
@@ -247,6 +361,11 @@ class EngineLoop:
             and not self._recovering
         )
 
+    @property
+    def num_waiting(self) -> int:
+        """The engine's waiting requests as of the last step (held choices too)."""
+        return self._num_waiting
+
     # --- called from HTTP handlers (any thread) ----------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         """The latest published load (at most ``snapshot_interval`` old while busy, exact when idle)."""
@@ -259,23 +378,12 @@ class EngineLoop:
             if not self.alive:
                 raise EngineStoppedError("the engine is not running")
             if self.max_queue is not None:
-                if len(submissions) > self.max_queue:
-                    raise ValueError(
-                        f"the request has {len(submissions)} prompts and choices; this server queues "
-                        f"at most {self.max_queue} requests at once"
-                    )
                 queued = (
                     self._num_waiting
                     + self._in_transit
                     + sum(isinstance(c, Submission) for c in self._inbox)
                 )
-                if queued + len(submissions) > self.max_queue:
-                    backlog = sum(self._snapshot.load.get("backlog_s", {}).values())
-                    raise QueueFullError(
-                        f"the request queue is full ({queued} waiting, limit {self.max_queue}); "
-                        f"retry later",
-                        retry_after=backlog,
-                    )
+                check_queue(self.max_queue, queued, len(submissions), self._snapshot)
             self._inbox.extend(submissions)
             self._cond.notify()
 
@@ -291,12 +399,31 @@ class EngineLoop:
         transfers of prefill/decode disaggregation. EngineStoppedError when the loop is not running."""
         aloop = asyncio.get_running_loop()
         future = aloop.create_future()
+
+        def settle(ok: bool, value: Any) -> None:  # on the engine thread
+            def resolve() -> None:
+                if not future.done():
+                    (future.set_result if ok else future.set_exception)(value)
+
+            try:
+                aloop.call_soon_threadsafe(resolve)
+            except RuntimeError:  # the event loop is closed: nobody is waiting
+                pass
+
         with self._cond:
             if not self.alive:
                 raise EngineStoppedError("the engine is not running")
-            self._inbox.append(_Call(fn, aloop, future))
+            self._inbox.append(_Call(fn, settle))
             self._cond.notify()
         return await future
+
+    def count_error(self, status: int) -> None:
+        """Count an HTTP error answer in the metrics (any thread)."""
+        self.metrics.count_error(status)
+
+    async def render_metrics(self) -> bytes:
+        """The Prometheus exposition of :attr:`metrics`."""
+        return self.metrics.render()
 
     def adopt(self, req: Request, sink: OutputSink) -> None:
         """Engine thread only: follow ``req``, a request put into the engine directly (not through
@@ -342,6 +469,7 @@ class EngineLoop:
         """After a failed step: fail what is in flight, reset the engine. False: give up (see class doc)."""
         with self._cond:
             self._recovering = True
+        self._changed()
         self._fail_all(
             EngineFailedError(
                 f"the engine failed ({error!r}) and restarted; this request was aborted, retry it"
@@ -378,6 +506,7 @@ class EngineLoop:
         self._publish(force=True)
         with self._cond:
             self._recovering = False
+        self._changed()
         log.warning(
             "engine restarted after a failure (%d so far); all KV blocks are free", self.restarts
         )
@@ -405,6 +534,7 @@ class EngineLoop:
         self._count_waiting()
 
     def _add(self, sub: Submission) -> None:
+        self.num_taken += 1
         try:
             req = self.engine.add_request(
                 sub.prompt_token_ids,
@@ -419,23 +549,21 @@ class EngineLoop:
         self._tracked[req.request_id] = _Tracked(req, sub.sink)
 
     def _run_call(self, call: _Call) -> None:
-        def settle(ok: bool, value: Any) -> None:
-            if not call.future.done():
-                (call.future.set_result if ok else call.future.set_exception)(value)
-
         try:
             result, ok = call.fn(self), True
         except Exception as e:  # noqa: BLE001 - the caller gets it
             result, ok = e, False
-        try:
-            call.aloop.call_soon_threadsafe(settle, ok, result)
-        except RuntimeError:  # the event loop is closed: nobody is waiting
-            pass
+        call.settle(ok, result)
 
     def _count_waiting(self) -> None:
         with self._cond:
             self._num_waiting = self.engine.num_waiting
             self._in_transit = 0
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -503,12 +631,7 @@ class EngineLoop:
         for sub in pending:
             sub.sink.put(error)
         for call in calls:
-            try:
-                call.aloop.call_soon_threadsafe(
-                    lambda f=call.future: f.done() or f.set_exception(error)
-                )
-            except RuntimeError:
-                pass
+            call.settle(False, error)
         for tracked in self._tracked.values():
             req = tracked.request
             cls = tracked.length_class or req.length_class
@@ -527,6 +650,7 @@ class EngineLoop:
             pending = sum(isinstance(c, Submission) for c in self._inbox)
         self._snapshot = self._take_snapshot(pending)
         self._last_publish = now
+        self._changed()
 
     def _take_snapshot(self, pending: int) -> EngineSnapshot:
         sched = self.engine.scheduler

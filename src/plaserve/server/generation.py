@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.engine_loop import (
-    EngineLoop,
+    EngineHandle,
     EngineStoppedError,
     OutputSink,
     QueueFullError,
@@ -35,7 +35,7 @@ class Generation:
     """The engine requests of one HTTP request; create with :meth:`submit`."""
 
     def __init__(
-        self, engine_loop: EngineLoop, submissions: list[Submission], queue: asyncio.Queue
+        self, engine_loop: EngineHandle, submissions: list[Submission], queue: asyncio.Queue
     ) -> None:
         self.engine_loop = engine_loop
         self.submissions = submissions
@@ -46,7 +46,7 @@ class Generation:
     @classmethod
     def submit(
         cls,
-        engine_loop: EngineLoop,
+        engine_loop: EngineHandle,
         request_id: str,
         prompts: list[list[int]],
         params: list[SamplingParams],

@@ -179,6 +179,10 @@ class PDWorker:
         done before the request is submitted, so it cannot finish first)."""
         self.loop.engine.kv_handoff.hold(request_id)
 
+    def forget(self, request_id: str) -> None:
+        """Undo :meth:`hold` for a request that was never submitted."""
+        self.loop.engine.kv_handoff.forget(request_id)
+
     def export_params(self, request_id: str, outputs: list[RequestOutput]) -> dict[str, Any]:
         """The ``kv_transfer_params`` of a finished prefill's response."""
         handoff = self.loop.engine.kv_handoff

@@ -1,0 +1,142 @@
+"""The engine in its own process (``plaserve serve --engine-mode process``): it serves, it recovers from a failed
+step as the in-process loop does, the server exits 1 when it dies, and it dies with the server."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from plaserve.launcher import ServerProcess
+from plaserve.server.cli import engine_mode
+from plaserve.server.engine_process import EngineProcess
+from plaserve.testing.faults import failing_engine
+
+from .conftest import BASE_ARGS
+from .test_supervision import fails_then_recovers, live_server
+
+
+def children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their command lines."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                found[int(stat.parent.name)] = cmdline.decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
+def engine_child(pid: int) -> int:
+    """The engine process of the server ``pid`` (multiprocessing's spawned child)."""
+    found = [c for c, cmd in children(pid).items() if "spawn_main" in cmd]
+    assert len(found) == 1, children(pid)
+    return found[0]
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":  # exited, not yet reaped by its parent
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_failed_step_in_the_engine_process_fails_its_requests_and_it_restarts(
+    qwen2_ckpt: str,
+) -> None:
+    build = functools.partial(
+        failing_engine,
+        {6},  # by step 6 the prompts are part-way through prefill or decoding
+        model=qwen2_ckpt,
+        kv_cache_memory="16MiB",
+        max_model_len=512,
+        policy="fcfs",
+        max_num_batched_tokens=64,
+    )
+    loop = EngineProcess(build)
+    try:
+        assert loop.pid != os.getpid() and loop.facts.max_model_len == 512
+        with live_server(loop) as url:
+            fails_then_recovers(url)  # /metrics, rendered by the engine process, counts it
+    finally:
+        loop.stop()
+    assert not loop.alive and gone(loop.pid)
+
+
+def test_an_engine_that_cannot_be_built_raises_in_the_server(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        EngineProcess(
+            functools.partial(failing_engine, set(), model=str(tmp_path / "no-such-model"))
+        )
+
+
+PROCESS = [
+    *BASE_ARGS,
+    "--engine-mode",
+    "process",
+]  # auto picks a thread where torch takes every CPU
+
+
+def test_auto_runs_the_engine_in_a_process_only_where_a_cpu_is_left_for_http(monkeypatch) -> None:
+    import torch
+
+    cpus = len(os.sched_getaffinity(0))
+    assert engine_mode("auto", pd_worker=False) == (
+        "process" if cpus > torch.get_num_threads() else "thread"
+    )
+    monkeypatch.setattr(torch, "get_num_threads", lambda: max(1, cpus - 1))
+    assert engine_mode("auto", pd_worker=False) == ("process" if cpus > 1 else "thread")
+    assert engine_mode("thread", pd_worker=False) == "thread"
+    assert engine_mode("process", pd_worker=True) == "thread"  # PD's KV hand-off is in-process
+
+
+def test_the_server_exits_1_when_its_engine_process_dies(qwen2_ckpt: str) -> None:
+    with ServerProcess([qwen2_ckpt, *PROCESS]) as server:
+        assert server.proc is not None
+        engine = engine_child(server.proc.pid)
+        ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+        assert ok.status_code == 200
+        room = httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] - 2
+        body = {"prompt": [5, 6], "max_tokens": room, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))  # decoding now
+            os.kill(engine, signal.SIGKILL)
+            rest = list(lines)
+        assert any("error" in line for line in rest), rest[-3:]
+        assert server.proc.wait(30) == 1
+        assert "engine process ended" in server.log()
+
+
+def test_the_engine_process_dies_with_the_server(qwen2_ckpt: str) -> None:
+    with ServerProcess([qwen2_ckpt, *PROCESS]) as server:
+        assert server.proc is not None
+        kids = children(server.proc.pid)  # the engine and multiprocessing's resource tracker
+        engine = engine_child(server.proc.pid)
+        server.proc.kill()  # no chance to stop anything itself
+        server.proc.wait(10)
+        assert gone(engine), "the engine process outlived a SIGKILLed server"
+        assert all(gone(pid) for pid in kids)
+
+
+def test_engine_thread_serves_without_a_child(qwen2_ckpt: str) -> None:
+    with ServerProcess([qwen2_ckpt, *BASE_ARGS, "--engine-mode", "thread"]) as server:
+        assert server.proc is not None
+        assert not [c for c in children(server.proc.pid).values() if "spawn_main" in c]
+        resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
