@@ -66,16 +66,24 @@ def _cache(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "dtype, native",
-    [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-    ids=["float32", "bfloat16-sdpa", "bfloat16-native"],
+    "dtype, native, split",
+    [
+        (torch.float32, False, False),
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, True, False),
+        (torch.float32, False, True),
+        (torch.bfloat16, False, True),
+    ],
+    ids=["float32", "bfloat16-sdpa", "bfloat16-native", "float32-split", "bfloat16-split"],
 )
-def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype, native, monkeypatch):
-    """(bfloat16 also through the native CPU kernel, where it is built: its inputs made once too.)"""
+def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype, native, split, monkeypatch):
+    """(bfloat16 also through the native CPU kernel, where it is built: its inputs made once too;
+    ``split``: every chunk after a prefix through the two merged flash calls, which need no mask.)"""
     if native and varlen_attention() is None:
         pytest.skip("the CPU attention kernel is not built here")
     if not native:
         monkeypatch.setattr("plaserve.model.attention.varlen_attention", lambda: None)
+    monkeypatch.setattr("plaserve.model.attention.SPLIT_MIN_QUERIES", 1 if split else 10**9)
     gen = torch.Generator().manual_seed(0)
     n, cuts = 100, [0, 37, 64, 100]  # chunks that start mid-block and on a block boundary
     q = torch.randn(n, HEADS, DIM, generator=gen).to(dtype)
@@ -92,8 +100,11 @@ def test_chunks_after_a_cached_prefix_equal_the_whole_prompt(dtype, native, monk
         seq = PrefillSeq(0, b - a, a, table if a else None)
         meta = AttentionMetadata(slot_mapping=slots[a:b], prefill=[seq])
         outs = [attention(q[a:b], k[a:b], v[a:b], cache, meta, DIM**-0.5) for cache in layers]
-        # made once, by the first layer
-        assert a == 0 or (meta._native_inputs if native else seq._mask) is not None
+        # made once, by the first layer (and no mask at all for the split calls)
+        if split:
+            assert seq._mask is None
+        else:
+            assert a == 0 or (meta._native_inputs if native else seq._mask) is not None
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for out in outs:
             torch.testing.assert_close(out, whole[a:b], atol=tol, rtol=tol)

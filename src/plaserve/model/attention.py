@@ -191,6 +191,27 @@ def _sdpa(
     )
 
 
+# A chunk after a cached prefix with at least this many new tokens is attended in two unmasked calls
+# of the CPU flash kernel (below); shorter chunks take one call with an additive mask, which is faster
+# there (2,048 new tokens after 2,048 cached: 22 against 30 ms a layer; 512 after 512: 2.0 against 1.8).
+SPLIT_MIN_QUERIES = 1024
+
+
+def _prefix_then_causal(
+    q: torch.Tensor, past: list[torch.Tensor], new: list[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """Attention of a chunk's queries ``[1, H, T, D]`` over its cached prefix ``past`` (K, V ``[1, Hk,
+    P, D]``: every key visible) and its own tokens ``new`` (``[1, Hk, T, D]``: causal), as two calls of
+    torch's CPU flash kernel merged by their log-sum-exps: the kernel's fast unmasked and causal paths
+    instead of its masked one, and no ``[T, P + T]`` mask to build."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o1, lse1 = flash(q, past[0], past[1], 0.0, False, scale=scale)
+    o2, lse2 = flash(q, new[0], new[1], 0.0, True, scale=scale)
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = ((x - lse).exp_().unsqueeze(-1) for x in (lse1, lse2))
+    return (o1 * w1).add_(o2 * w2).to(q.dtype)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -226,6 +247,13 @@ def attention(
         if seq.num_cached == 0:
             ks, vs = k[s:e].transpose(0, 1).unsqueeze(0), v[s:e].transpose(0, 1).unsqueeze(0)
             o = _sdpa(qs, ks, vs, scale, causal=True)
+        elif q.device.type == "cpu" and seq.q_len >= SPLIT_MIN_QUERIES:
+            assert kv_cache is not None and seq.block_table is not None
+            past = [
+                _gather_context(c, seq.block_table, seq.num_cached).unsqueeze(0) for c in kv_cache
+            ]
+            new = [x[s:e].transpose(0, 1).unsqueeze(0) for x in (k, v)]
+            o = _prefix_then_causal(qs, past, new, scale)
         else:
             assert kv_cache is not None and seq.block_table is not None
             total = seq.num_cached + seq.q_len
