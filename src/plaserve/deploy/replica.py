@@ -52,11 +52,17 @@ class PlaserveReplica:
         request_timeout: float = 600.0,
     ) -> None:
         env = dict(os.environ)
+        serve_args = list(serve_args)
         if threads is not None:
             for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
                 env[var] = str(threads)
+            if "--engine-mode" not in serve_args:
+                # Ray reserved ``threads`` CPUs for this replica, and the machine's others for other
+                # replicas: --engine-mode auto, seeing more CPUs than threads, would pick a process
+                # whose HTTP work runs on theirs.
+                serve_args += ["--engine-mode", "thread"]
         self.server = ServerProcess(
-            list(serve_args), env=env, startup_timeout=startup_timeout, kill_with_parent=True
+            serve_args, env=env, startup_timeout=startup_timeout, kill_with_parent=True
         )
         self._start_in_own_thread()
         self.client = httpx.AsyncClient(

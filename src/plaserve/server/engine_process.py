@@ -268,7 +268,8 @@ class _PipeOutbox:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.lock = threading.Lock()
-        self._state: tuple = ()
+        self._snapshot: EngineSnapshot | None = None  # the last state sent: the snapshot ...
+        self._counts: tuple = ()  # ... and (waiting, taken, alive)
 
     def message(self, msg: tuple) -> None:
         with self.lock:
@@ -281,10 +282,11 @@ class _PipeOutbox:
         self.message(("out", [(key, _portable(item)) for key, (_, item) in puts]))
 
     def on_change(self, loop: EngineLoop) -> None:
-        state = (loop.snapshot(), loop.num_waiting, loop.num_taken, loop.alive)
-        if len(self._state) != len(state) or any(a is not b for a, b in zip(state, self._state)):
-            self._state = state
-            self.message(("state", *state))
+        snapshot, counts = loop.snapshot(), (loop.num_waiting, loop.num_taken, loop.alive)
+        # A snapshot is published anew or not at all: identity tells (the last one sent is held).
+        if snapshot is not self._snapshot or counts != self._counts:
+            self._snapshot, self._counts = snapshot, counts
+            self.message(("state", snapshot, *counts))
 
 
 def _portable(item: RequestOutput | BaseException) -> RequestOutput | BaseException:
