@@ -1,7 +1,8 @@
 """The native CPU attention kernel (``plaserve.model.kernels``): against SDPA on every layout it is given
 (varlen prompts, chunks after a cached prefix, single decode rows, GQA groups of 1-8, head sizes 16 to
-128, K/V as strided views and as scattered cache slots), inside ``attention()`` on a mixed batch
-against the SDPA path, and its fallbacks (no compiler, a failing build, switched off)."""
+128, K/V as strided views and as scattered cache slots), with its products on AMX tiles and on
+AVX512-BF16 dot products where the CPU has both, inside ``attention()`` on a mixed batch against the
+SDPA path, and its fallbacks (no compiler, a failing build, switched off)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,21 @@ import torch
 from plaserve.model import kernels
 from plaserve.model.attention import AttentionMetadata, PrefillSeq, attention
 
-NATIVE = kernels.varlen_attention()
+NATIVE = kernels.attention_kernel()  # built and checked here, whether or not faster than SDPA
 needs_kernel = pytest.mark.skipif(
     NATIVE is None, reason="the CPU attention kernel is not built here (no AVX512-BF16 or no g++)"
 )
+HAS_AMX = NATIVE is not None and kernels.uses_amx()
+
+
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def isa(request):
+    """Each instruction set the kernel can multiply with here, in turn (AMX only where present)."""
+    if request.param == "amx" and not HAS_AMX:
+        pytest.skip("no AMX on this CPU")
+    torch.ops.plaserve_cpu.use_amx(request.param == "amx")
+    yield request.param
+    torch.ops.plaserve_cpu.use_amx(True)
 
 
 def _run(q, k, v, q_lens, k_lens, scale, index=None):
@@ -42,7 +54,7 @@ def _run(q, k, v, q_lens, k_lens, scale, index=None):
         [(129, 257)],  # a query block boundary and a key block boundary
     ],
 )
-def test_kernel_equals_sdpa(heads, kv_heads, dim, lens):
+def test_kernel_equals_sdpa(heads, kv_heads, dim, lens, isa):
     gen = torch.Generator().manual_seed(0)
     q_lens, k_lens = [a for a, _ in lens], [b for _, b in lens]
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).bfloat16()
@@ -58,7 +70,7 @@ def test_kernel_equals_sdpa(heads, kv_heads, dim, lens):
 
 
 @needs_kernel
-def test_kernel_reads_keys_through_the_index():
+def test_kernel_reads_keys_through_the_index(isa):
     """Keys gathered through ``k_index`` (cache slots in any order) equal the same keys in place."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(10, 8, 64, generator=gen).bfloat16()
@@ -75,9 +87,10 @@ BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 96, 16, 8, 2, 64
 
 
 @needs_kernel
-def test_attention_uses_the_kernel_on_a_mixed_batch(monkeypatch):
+def test_attention_uses_the_kernel_on_a_mixed_batch(monkeypatch, isa):
     """A batch of a fresh prompt, a chunk after its cached prefix, a padded block and decode rows: the
     kernel's one call per layer gives SDPA's outputs, and writes the same cache."""
+    monkeypatch.setattr("plaserve.model.attention.varlen_attention", lambda: NATIVE)
     gen = torch.Generator().manual_seed(2)
     perm = (torch.randperm(BLOCKS - 1, generator=gen) + 1).tolist()
     taken = 0
@@ -133,34 +146,42 @@ def test_attention_uses_the_kernel_on_a_mixed_batch(monkeypatch):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
 
 
-def test_no_compiler_no_kernel(monkeypatch, caplog):
+def _clear_caches() -> None:
+    kernels.attention_kernel.cache_clear()
     kernels.varlen_attention.cache_clear()
+    kernels.elementwise.cache_clear()
+
+
+def test_no_compiler_no_kernel(monkeypatch, caplog):
+    _clear_caches()
     try:
         monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: "AVX512-BF16")
         monkeypatch.setattr(kernels, "_compiler", lambda: None)
         with caplog.at_level(logging.INFO, logger="plaserve.model.kernels"):
             assert kernels.varlen_attention() is None
+            assert kernels.elementwise() is None
         assert "no C++ compiler" in caplog.text
-        kernels.varlen_attention.cache_clear()
+        _clear_caches()
         monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: None)
-        assert kernels.varlen_attention() is None
-        kernels.varlen_attention.cache_clear()
+        assert kernels.varlen_attention() is None and kernels.elementwise() is None
+        _clear_caches()
         monkeypatch.setenv("PLASERVE_NATIVE_KERNELS", "0")
-        assert kernels.varlen_attention() is None
+        assert kernels.varlen_attention() is None and kernels.elementwise() is None
     finally:
-        kernels.varlen_attention.cache_clear()
+        _clear_caches()
 
 
 def test_a_failing_build_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
     """A compiler that fails (here: not a C++ compiler at all) leaves SDPA, with one warning."""
-    kernels.varlen_attention.cache_clear()
+    _clear_caches()
     try:
         monkeypatch.setenv("PLASERVE_CACHE", str(tmp_path))
         monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: "AVX512-BF16")
         monkeypatch.setattr(kernels, "_compiler", lambda: "false")
         with caplog.at_level(logging.WARNING, logger="plaserve.model.kernels"):
             assert kernels.varlen_attention() is None
-        assert "not built" in caplog.text
+            assert kernels.elementwise() is None
+        assert caplog.text.count("not built") == 2
         assert not list((tmp_path / "kernels").glob("*.so"))
     finally:
-        kernels.varlen_attention.cache_clear()
+        _clear_caches()

@@ -1,5 +1,6 @@
-"""The decoder's elementwise kernels: compiled equals eager, small and float32 steps stay eager, and a
-failure to compile falls back to eager with one warning."""
+"""The decoder's elementwise kernels: the C++ kernels and the compiled forms equal eager (each within
+bfloat16's rounding of a float64 reference), small and float32 steps stay eager, and a failure to
+compile falls back to eager with one warning."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import logging
 import pytest
 import torch
 
-from plaserve.model import fused
+from plaserve.model import fused, kernels
 from plaserve.model.fused import FusedKernels, compiled_min_tokens
 
 needs_compiler = pytest.mark.skipif(
     compiled_min_tokens(1) is None, reason="no C++ compiler for inductor"
+)
+needs_native = pytest.mark.skipif(
+    kernels.elementwise() is None, reason="the C++ elementwise kernels are not built here"
 )
 
 
@@ -61,12 +65,41 @@ def reference(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
 def test_compiled_equals_eager_in_bfloat16():
     t = inputs(300, torch.bfloat16)
     with torch.inference_mode():
-        eager, compiled = run_all(FusedKernels(None), t), run_all(FusedKernels(256), t)
+        eager = run_all(FusedKernels(None, native=False), t)
+        compiled = run_all(FusedKernels(256, native=False), t)
     for e, c, r in zip(eager, compiled, reference(t)):
         assert c.dtype == e.dtype == torch.bfloat16 and c.shape == e.shape
         # Both round to bfloat16 (8 bits): within a few units of the last place of the float64 value.
         torch.testing.assert_close(c.double(), r, atol=0.05, rtol=0.02)
         torch.testing.assert_close(e.double(), r, atol=0.05, rtol=0.02)
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_native_equals_eager_in_bfloat16(tokens):
+    """The C++ kernels (one pass each, every step size) round as the eager forms do: the results are
+    equal, or one bfloat16 rounding step apart where float32 sums were taken in another order."""
+    t = inputs(tokens, torch.bfloat16, seed=tokens)
+    with torch.inference_mode():
+        eager = run_all(FusedKernels(None, native=False), t)
+        native = run_all(FusedKernels(None), t)
+    for e, n, r in zip(eager, native, reference(t)):
+        assert n.dtype == torch.bfloat16 and n.shape == e.shape
+        torch.testing.assert_close(n.double(), r, atol=0.05, rtol=0.02)
+        torch.testing.assert_close(n.float(), e.float(), atol=0, rtol=2**-7)
+
+
+@needs_native
+def test_native_kernels_work_in_place_where_eager_does():
+    """add_rms_norm leaves the sum in ``x`` and rotary rotates ``qk`` in place, through a strided view
+    of the fused projection, as the eager forms do: callers rely on both."""
+    t = inputs(33, torch.bfloat16, seed=3)
+    x, qkv_base = t["x"].clone(), t["qk"]
+    with torch.inference_mode():
+        _, total = FusedKernels(None).add_rms_norm(x, t["residual"], t["weight"], 1e-5)
+        rotated = FusedKernels(None).rotary(qkv_base, t["cos"], t["sin"])
+    assert total.data_ptr() == x.data_ptr() and rotated.data_ptr() == qkv_base.data_ptr()
+    assert not qkv_base.is_contiguous()  # each token's q/k heads are a slice of a wider row
 
 
 def test_small_and_float32_steps_stay_eager(monkeypatch):
@@ -75,8 +108,8 @@ def test_small_and_float32_steps_stay_eager(monkeypatch):
 
     monkeypatch.setattr(fused, "_compiled", refuse)
     with torch.inference_mode():
-        small = run_all(FusedKernels(256), inputs(255, torch.bfloat16))
-        large = run_all(FusedKernels(256), t32 := inputs(300, torch.float32))
+        small = run_all(FusedKernels(256, native=False), inputs(255, torch.bfloat16))
+        large = run_all(FusedKernels(256, native=False), t32 := inputs(300, torch.float32))
     assert small[0].shape == (255, 64)
     for got, want in zip(large, reference(t32)):
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
@@ -93,12 +126,12 @@ def test_a_failure_to_compile_falls_back_to_eager(monkeypatch, caplog):
         return run
 
     monkeypatch.setattr(fused, "_compiled", broken)
-    kernels = FusedKernels(16)
+    failing = FusedKernels(16, native=False)
     t = inputs(32, torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="plaserve.model.fused"), torch.inference_mode():
-        got = run_all(kernels, t)
-        run_all(kernels, t)
-    assert kernels.min_tokens is None and len(calls) == 1  # one failure, then eager for good
+        got = run_all(failing, t)
+        run_all(failing, t)
+    assert failing.min_tokens is None and len(calls) == 1  # one failure, then eager for good
     assert caplog.text.count("torch.compile failed (RuntimeError: no compiler)") == 1
-    for g, e in zip(got, run_all(FusedKernels(None), t)):
+    for g, e in zip(got, run_all(FusedKernels(None, native=False), t)):
         assert torch.equal(g, e)

@@ -3,12 +3,19 @@ rotary embedding, SwiGLU.
 
 Run eagerly in bfloat16, each of these is several passes over ``[tokens, width]`` tensors (widen to
 float32, reduce, scale, round back; multiply, subtract, concatenate...), which on a CPU prefill cost
-about as much as the attention's matmuls. ``torch.compile`` (inductor's C++ backend) turns each function
-into one loop. Compiled code runs only for half-precision steps of at least ``min_tokens`` tokens: below
-that, checking its guards costs more than the passes it saves (decode steps stay eager), and in float32
-the eager forms work in place and are as fast. Compiling needs a C++ compiler and takes seconds (cached
-on disk by inductor for the next process); a machine without one, or any failure to compile, logs one
-warning and runs everything eagerly from then on.
+about as much as the attention's matmuls. Three tiers, the first that applies:
+
+* bfloat16 on CPUs where :func:`plaserve.model.kernels.elementwise` built its C++ kernels: one pass
+  each, at every step size (decode steps too);
+* half precision steps of at least ``min_tokens`` tokens: ``torch.compile`` (inductor's C++ backend)
+  turns each function into one loop. Below that, checking its guards costs more than the passes it
+  saves, and in float32 the eager forms work in place and are as fast. Compiling needs a C++ compiler
+  and takes seconds (cached on disk by inductor for the next process); a machine without one, or any
+  failure to compile, logs one warning and runs eagerly from then on;
+* eager torch.
+
+The pure functions below (``_add_rms_norm``, ``_rotary``, ``_silu_mul``) define the arithmetic and its
+rounding for all three.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from plaserve.model.kernels import elementwise
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +79,23 @@ def _compiled(fn: Callable) -> Callable:
 
 
 class FusedKernels:
-    """The elementwise pieces of a decoder layer, compiled for large half-precision steps where that
-    works.
+    """The elementwise pieces of a decoder layer: native C++ for bfloat16 on CPU where built,
+    compiled for large half-precision steps where that works, eager otherwise (see the module doc).
 
-    ``min_tokens=None`` runs everything eagerly. Every function returns its result; the eager forms
-    reuse their inputs' memory (in place) where the compiled ones allocate, so callers must use the
-    returned tensors and no longer use the inputs.
+    ``min_tokens=None`` compiles nothing; ``native=False`` leaves the C++ kernels out. Every function
+    returns its result; the native and eager forms reuse their inputs' memory (in place) where the
+    compiled ones allocate, so callers must use the returned tensors and no longer use the inputs.
     """
 
-    def __init__(self, min_tokens: int | None = None) -> None:
+    def __init__(self, min_tokens: int | None = None, native: bool = True) -> None:
         self.min_tokens = min_tokens
+        self.native = native
+
+    def _native(self, first: torch.Tensor) -> object | None:
+        """The C++ kernels, where they apply to a step whose first operand is ``first``."""
+        if not self.native or first.dtype != torch.bfloat16 or first.device.type != "cpu":
+            return None
+        return elementwise()
 
     def _run(self, pure: Callable, eager: Callable, *args: object) -> object:
         first = args[0]
@@ -104,15 +120,22 @@ class FusedKernels:
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(rms_norm(x + residual), x + residual)``: a layer's residual add and the next norm."""
+        if (native := self._native(x)) is not None:
+            return native.add_rms_norm(x, residual, weight, eps), x  # x now holds the sum
         out = self._run(_add_rms_norm, _add_rms_norm_eager, x, residual, weight, eps)
         return out  # type: ignore[return-value]
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``qk`` ``[T, heads, D]`` rotated by the ``(cos, sin)`` rows (half-split layout)."""
+        if (native := self._native(qk)) is not None:
+            native.rotary(qk, cos, sin)
+            return qk
         return self._run(_rotary, _rotary_eager, qk, cos, sin)  # type: ignore[return-value]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU's ``silu(gate) * up`` of the fused ``[T, 2 * intermediate]`` projection."""
+        if (native := self._native(gate_up)) is not None:
+            return native.silu_mul(gate_up)
         return self._run(_silu_mul, _silu_mul_eager, gate_up)  # type: ignore[return-value]
 
 

@@ -1,20 +1,25 @@
 """Native CPU kernels: C++ compiled on first use, with torch's operators as the fallback everywhere.
 
-``varlen_attention()`` is the causal varlen attention of ``varlen_attention.cpp`` (bfloat16, CPUs with
-AVX512-BF16; see that file for the algorithm), or None where it cannot or should not run. It is built
-with the C++ compiler against the installed torch's headers and its bundled libgomp (so the kernel
-runs on torch's own OpenMP threads) into ``$PLASERVE_CACHE`` (default ``~/.cache/plaserve``)
-``/kernels``, named by a hash of the source, the flags and the torch version: later processes load it
-in milliseconds. Before it is used, once a process, it is checked against SDPA on a small batch and
-timed against SDPA on one 512-token prompt; it is used only if it agrees and is faster. No compiler, a
-CPU without AVX512-BF16, a failed build or check: one log line, and attention stays on SDPA.
-``PLASERVE_NATIVE_KERNELS=0`` turns it off.
+* ``varlen_attention()``: the causal varlen attention of ``varlen_attention.cpp`` (bfloat16, CPUs
+  with AVX512-BF16, its products on AMX tiles where the CPU has them; see that file for the
+  algorithm), or None where it cannot or should not run.
+* ``elementwise()``: the decoder layer's add + RMSNorm, rotary embedding and SwiGLU of
+  ``elementwise.cpp`` in bfloat16 (CPUs with AVX512-BF16), or None.
+
+Each source is built with the C++ compiler against the installed torch's headers and its bundled
+libgomp (so the kernels run on torch's own OpenMP threads) into ``$PLASERVE_CACHE`` (default
+``~/.cache/plaserve``) ``/kernels``, named by a hash of the source, the flags and the torch version:
+later processes load it in milliseconds. Before a library is used, once a process, it is checked
+against torch's forms on small inputs; the attention kernel is also timed against SDPA on a mixed
+batch and used only if it is faster. No compiler, a CPU without AVX512-BF16, a failed build or
+check: one log line, and the torch forms stay. ``PLASERVE_NATIVE_KERNELS=0`` turns both off.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -32,8 +37,10 @@ from plaserve.model.cpu_features import cpu_bf16_support
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("varlen_attention.cpp")
+HERE = Path(__file__).parent
 ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+# AMX (tile multiplies): used only where the CPU and the OS have it (checked at run time in the kernel).
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 
 # (q, k, v, out, q_starts, k_index, k_starts, scale) -> None; see varlen_attention.cpp
 VarlenAttention = Callable[..., None]
@@ -47,33 +54,54 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str) -> Path:
-    """The shared library, compiled unless a build of this source, these flags and this torch exists."""
+def _build(compiler: str, source: Path) -> Path:
+    """The shared library of ``source``, compiled unless a build of this source, these flags and this
+    torch exists."""
     from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", abi, *ISA_FLAGS]
+    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", abi, *ISA_FLAGS, *AMX_FLAGS]
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *flags, torch.__version__]).encode()
+        source.read_bytes() + " ".join([compiler, *flags, torch.__version__]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("PLASERVE_CACHE", Path.home() / ".cache" / "plaserve")) / "kernels"
-    target = cache / f"varlen_attention-{key}.so"
+    target = cache / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the CPU attention kernel (%s; once, ~10-30 s) ...", target.name)
+    log.info("compiling the CPU kernels of %s (once, ~10-30 s) ...", target.name)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         command = [compiler, *flags, *(f"-I{p}" for p in include_paths())]
         # libgomp.so.1 from torch's lib folder: the same OpenMP runtime (and threads) as torch's.
-        command += [str(SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
+        command += [str(source), f"-L{torch_lib}", "-lc10", "-ltorch_cpu"]
         command += [f"-Wl,-rpath,{torch_lib}", "-o", str(built)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else "failed")
+            errors = [line for line in done.stderr.splitlines() if "error" in line]
+            raise RuntimeError((errors or done.stderr.strip().splitlines() or ["failed"])[0])
         os.replace(built, target)  # atomic: concurrent processes build the same file
     return target
+
+
+def _loaded(source: str, what: str) -> bool:
+    """Whether ``source`` (a file beside this one) is built and loaded into torch.ops; logs why not."""
+    if os.environ.get("PLASERVE_NATIVE_KERNELS", "1") == "0":
+        return False
+    if cpu_bf16_support() is None:
+        log.info("%s: not used (no AVX512-BF16 on this CPU)", what)
+        return False
+    compiler = _compiler()
+    if compiler is None:
+        log.info("%s: not used (no C++ compiler found)", what)
+        return False
+    try:
+        torch.ops.load_library(str(_build(compiler, HERE / source)))
+    except Exception as e:  # noqa: BLE001 - any build or load failure leaves torch's forms
+        log.warning("%s: not built (%s: %s); using torch's operators", what, type(e).__name__, e)
+        return False
+    return True
 
 
 def reference_attention(
@@ -114,16 +142,28 @@ def _agrees(op: VarlenAttention) -> bool:
     return bool((got.float() - want.float()).abs().max() < 0.05)
 
 
+# The speed check's batch: prompt lengths of a burst of short requests and a long one.
+SPEED_CHECK_LENGTHS = (512, 300, 100, 50)
+
+
 def _faster(op: VarlenAttention) -> tuple[bool, float, float]:
-    """Whether the kernel beats SDPA's flash kernel on one 512-token prompt (best of 5 each, ms)."""
+    """Whether one kernel call beats SDPA's flash kernel (a call per prompt) on prompts of
+    ``SPEED_CHECK_LENGTHS`` tokens (best of 5 each, ms)."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(512, 8, 64, generator=gen).bfloat16()
-    k, v = torch.randn(2, 512, 2, 64, generator=gen).bfloat16()
-    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    ways = {
-        "kernel": lambda: _call(op, q, k, v, [0, 512], [0, 512], 0.125),
-        "sdpa": lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True),
-    }
+    total = sum(SPEED_CHECK_LENGTHS)
+    q = torch.randn(total, 8, 64, generator=gen).bfloat16()
+    k, v = torch.randn(2, total, 2, 64, generator=gen).bfloat16()
+    starts = [0, *itertools.accumulate(SPEED_CHECK_LENGTHS)]
+    parts = [
+        [t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        for a, b in itertools.pairwise(starts)
+    ]
+
+    def sdpa() -> None:
+        for q4, k4, v4 in parts:
+            F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+
+    ways = {"kernel": lambda: _call(op, q, k, v, starts, starts, 0.125), "sdpa": sdpa}
     best = dict.fromkeys(ways, math.inf)
     for _ in range(6):  # alternating; the first round only warms up
         for name, way in ways.items():
@@ -134,30 +174,73 @@ def _faster(op: VarlenAttention) -> tuple[bool, float, float]:
 
 
 @functools.cache
+def attention_kernel() -> VarlenAttention | None:
+    """The native varlen attention operator where it is built and agrees with SDPA here, whether or
+    not it is the faster (tests use it; the model takes :func:`varlen_attention`)."""
+    if not _loaded("varlen_attention.cpp", "CPU attention kernel"):
+        return None
+    op = torch.ops.plaserve_cpu.varlen_attention
+    with torch.inference_mode():
+        if not _agrees(op):
+            log.warning("CPU attention kernel: disagrees with SDPA here; not used")
+            return None
+    return op
+
+
+def uses_amx() -> bool:
+    """Whether the attention kernel's products run on AMX tiles in this process."""
+    return attention_kernel() is not None and torch.ops.plaserve_cpu.use_amx(True)
+
+
+@functools.cache
 def varlen_attention() -> VarlenAttention | None:
     """The native varlen attention operator, or None where SDPA is to be used (see the module doc)."""
-    if os.environ.get("PLASERVE_NATIVE_KERNELS", "1") == "0":
+    op = attention_kernel()
+    if op is None:
         return None
-    if cpu_bf16_support() is None:
-        log.info("CPU attention kernel: not used (no AVX512-BF16 on this CPU)")
-        return None
-    compiler = _compiler()
-    if compiler is None:
-        log.info("CPU attention kernel: not used (no C++ compiler found)")
-        return None
-    try:
-        torch.ops.load_library(str(_build(compiler)))
-        op = torch.ops.plaserve_cpu.varlen_attention
-        with torch.inference_mode():
-            if not _agrees(op):
-                log.warning("CPU attention kernel: disagrees with SDPA here; not used")
-                return None
-            faster, ms, sdpa_ms = _faster(op)
-    except Exception as e:  # noqa: BLE001 - any build or load failure leaves SDPA, which is always right
-        log.warning("CPU attention kernel: not built (%s: %s); using SDPA", type(e).__name__, e)
-        return None
-    verdict = "used" if faster else "not used"
+    with torch.inference_mode():
+        faster, ms, sdpa_ms = _faster(op)
     log.info(
-        "CPU attention kernel: %s (512-token prompt: %.2f ms, SDPA %.2f ms)", verdict, ms, sdpa_ms
+        "CPU attention kernel%s: %s (prompts of %s tokens: %.2f ms, SDPA %.2f ms)",
+        " (AMX)" if uses_amx() else "",
+        "used" if faster else "not used",
+        "/".join(map(str, SPEED_CHECK_LENGTHS)),
+        ms,
+        sdpa_ms,
     )
     return op if faster else None
+
+
+@functools.cache
+def elementwise() -> object | None:
+    """The ``torch.ops.plaserve_elementwise`` namespace (``add_rms_norm``, ``rotary``,
+    ``silu_mul``) where it is built and agrees with the torch forms here, else None."""
+    if not _loaded("elementwise.cpp", "CPU elementwise kernels"):
+        return None
+    ops = torch.ops.plaserve_elementwise
+    from plaserve.model import fused  # the torch forms; fused imports this module at its top
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 5, 80, generator=gen).bfloat16()
+    weight = torch.rand(80, generator=gen).bfloat16()
+    qk = torch.randn(5, 3, 16, generator=gen).bfloat16()
+    cos, sin = torch.randn(2, 5, 1, 8, generator=gen)
+    gate_up = (4 * torch.randn(5, 48, generator=gen)).bfloat16()
+    with torch.inference_mode():
+        total = x.clone()
+        normed = ops.add_rms_norm(total, residual, weight, 1e-6)  # total becomes x + residual
+        rotated = qk.clone()
+        ops.rotary(rotated, cos, sin)
+        want_normed, want_total = fused._add_rms_norm(x, residual, weight, 1e-6)
+        pairs = [
+            (normed, want_normed),
+            (total, want_total),
+            (rotated, fused._rotary(qk, cos, sin)),
+            (ops.silu_mul(gate_up), fused._silu_mul(gate_up)),
+        ]
+    # one bfloat16 rounding step (2^-8 relative) apart at most
+    if not all(torch.allclose(a.float(), b.float(), rtol=1 / 128, atol=1e-2) for a, b in pairs):
+        log.warning("CPU elementwise kernels: disagree with torch's forms here; not used")
+        return None
+    log.info("CPU elementwise kernels: used")
+    return ops

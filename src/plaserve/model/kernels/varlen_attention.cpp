@@ -27,9 +27,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
 #include <numeric>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PLASERVE_AMX 1
+#endif
 
 namespace {
 
@@ -130,6 +136,128 @@ void pv_rows(const uint16_t* p, int ldP, int rows, const uint16_t* vp, int n_pai
   for (; r < rows; ++r) pv_tile<1, D>(p + r * ldP, ldP, vp, n_pairs, o + r * D);
 }
 
+
+#ifdef PLASERVE_AMX
+// AMX: the two products of a work item as tile multiplies (tdpbf16ps: a 16 x 32 bfloat16 tile A times
+// a 32 x 16 tile B held as 16 rows of 16 pairs, accumulated into a 16 x 16 float32 tile C). The packed
+// layouts of pass 1 are already B tiles: 16 dimension pairs of a 16-key chunk are a tile of K^T, 16 key
+// pairs of 16 dimensions a tile of V. Every tile is configured 16 rows x 64 bytes; work items pad their
+// query rows to a multiple of 16 (the padding rows are computed and thrown away).
+
+// The CPU has AMX, the OS saves its state, and Linux let this process use it (a permission asked for
+// once a process; torch's oneDNN asks for the same).
+bool amx_available() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  if (!tile || !bf16) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+std::atomic<bool> g_use_amx{amx_available()};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Each thread loads the configuration when it starts on a call's items (oneDNN's kernels, which run on
+// the same threads, configure the tiles their own way in between) and releases the tiles after.
+void load_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// S[16 g .. 16 g + 16)[32 c .. 32 c + 32) = Q K^T for every 16-row group g and 32-key chunk pair c:
+// q: [groups * 16][D] bfloat16; kp: the block's packed keys ([chunk][D/2][16][2]); s: rows of ldS.
+template <int D>
+void qk_amx(const uint16_t* q, int groups, const uint16_t* kp, int pairs32, float* s, int ldS) {
+  static_assert(D % 32 == 0);
+  for (int g = 0; g < groups; ++g)
+    for (int c = 0; c < pairs32; ++c) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int dk = 0; dk < D / 32; ++dk) {
+        _tile_loadd(2, q + g * 16 * D + dk * 32, D * 2);
+        _tile_loadd(3, kp + (2 * c) * 16 * D + dk * 16 * 32, 64);
+        _tile_loadd(4, kp + (2 * c + 1) * 16 * D + dk * 16 * 32, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+      }
+      _tile_stored(0, s + g * 16 * ldS + 32 * c, ldS * 4);
+      _tile_stored(1, s + g * 16 * ldS + 32 * c + 16, ldS * 4);
+    }
+}
+
+// O[16 g ..][16 c .. 16 c + 16) for four dimension chunks from c0 (fewer where D / 16 is smaller),
+// accumulated over pairs32 chunks of 32 keys: tiles 0-3 hold O, 4 a P tile, 5 a V tile.
+template <int D, int NC>
+void pv_amx_chunks(const uint16_t* p, int ldP, const uint16_t* vp, int pairs32, float* o, int c0) {
+  static_assert(NC >= 1 && NC <= 4);
+  _tile_loadd(0, o + (c0 + 0) * 16, D * 4);
+  if constexpr (NC > 1) _tile_loadd(1, o + (c0 + 1) * 16, D * 4);
+  if constexpr (NC > 2) _tile_loadd(2, o + (c0 + 2) * 16, D * 4);
+  if constexpr (NC > 3) _tile_loadd(3, o + (c0 + 3) * 16, D * 4);
+  for (int kc = 0; kc < pairs32; ++kc) {
+    _tile_loadd(4, p + 32 * kc, ldP * 2);
+    const uint16_t* v = vp + kc * 16 * D * 2;  // key pair 16 kc: [pairs][D][2]
+    _tile_loadd(5, v + (c0 + 0) * 32, D * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NC > 1) {
+      _tile_loadd(5, v + (c0 + 1) * 32, D * 4);
+      _tile_dpbf16ps(1, 4, 5);
+    }
+    if constexpr (NC > 2) {
+      _tile_loadd(5, v + (c0 + 2) * 32, D * 4);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (NC > 3) {
+      _tile_loadd(5, v + (c0 + 3) * 32, D * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, o + (c0 + 0) * 16, D * 4);
+  if constexpr (NC > 1) _tile_stored(1, o + (c0 + 1) * 16, D * 4);
+  if constexpr (NC > 2) _tile_stored(2, o + (c0 + 2) * 16, D * 4);
+  if constexpr (NC > 3) _tile_stored(3, o + (c0 + 3) * 16, D * 4);
+}
+
+// O += P V for every 16-row group: p rows of ldP bfloat16, vp the block's packed values, o [rows][D].
+template <int D>
+void pv_amx(const uint16_t* p, int ldP, int groups, const uint16_t* vp, int pairs32, float* o) {
+  constexpr int NC = D / 16;
+  for (int g = 0; g < groups; ++g) {
+    const uint16_t* pg = p + g * 16 * ldP;
+    float* og = o + g * 16 * D;
+    for (int c0 = 0; c0 < NC; c0 += 4) {
+      if constexpr (NC >= 4)
+        pv_amx_chunks<D, 4>(pg, ldP, vp, pairs32, og, c0);
+      else
+        pv_amx_chunks<D, NC>(pg, ldP, vp, pairs32, og, c0);
+    }
+  }
+}
+#endif  // PLASERVE_AMX
+
+bool amx_in_use() {
+#ifdef PLASERVE_AMX
+  return g_use_amx.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
 struct Batch {
   const uint16_t* q;
   uint16_t* out;
@@ -193,13 +321,19 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_s
 
 struct Scratch {
   std::vector<float> s, o, m, l;
-  std::vector<uint16_t> p;
+  std::vector<uint16_t> p, q;  // q: the item's query rows, copied for AMX's tile loads
   std::vector<const uint16_t*> qrow;
 };
 
+// AMX for this head size on this call: tiles take 32 dimensions a row.
+template <int D>
+bool amx_for(bool amx) {
+  return amx && D % 32 == 0;
+}
+
 // Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`.
 template <int D>
-void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
+void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratch& w) {
   const int64_t group = b.heads / b.kv_heads;
   const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
   const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
@@ -207,9 +341,12 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
   const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
   const int rows = static_cast<int>(nq * group);  // row = token * group + head
   const int64_t k_end = offset + q0 + nq;         // keys the last token sees
-  w.s.resize(static_cast<size_t>(rows) * kBlockK);
-  w.p.resize(static_cast<size_t>(rows) * kBlockK);
-  w.o.assign(static_cast<size_t>(rows) * D, 0.0f);
+  const bool tiles = amx_for<D>(amx);
+  const int groups = (rows + 15) / 16;              // AMX: 16-row tiles
+  const int padded_rows = tiles ? 16 * groups : rows;
+  w.s.resize(static_cast<size_t>(padded_rows) * kBlockK);
+  w.p.resize(static_cast<size_t>(padded_rows) * kBlockK);
+  w.o.assign(static_cast<size_t>(padded_rows) * D, 0.0f);
   w.m.assign(rows, -std::numeric_limits<float>::infinity());
   w.l.assign(rows, 0.0f);
   w.qrow.resize(rows);
@@ -217,14 +354,26 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
     const int64_t token = b.q_starts[seq] + q0 + r / group;
     w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
   }
+  if (tiles) {  // the rows as one [padded_rows][D] tile source; padding rows zero, their P too
+    w.q.resize(static_cast<size_t>(padded_rows) * D);
+    for (int r = 0; r < rows; ++r) std::memcpy(w.q.data() + r * D, w.qrow[r], sizeof(uint16_t) * D);
+    std::memset(w.q.data() + rows * D, 0, sizeof(uint16_t) * (padded_rows - rows) * D);
+    std::memset(w.p.data() + static_cast<size_t>(rows) * kBlockK, 0,
+                sizeof(uint16_t) * (padded_rows - rows) * kBlockK);
+  }
   const int64_t base = b.packed_at[seq * b.kv_heads + g];
   const float scale = b.scale;
   for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
     const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
     const int pairs32 = (nk + 31) / 32;  // chunk pairs of 32 keys
-    for (int c = 0; c < pairs32; ++c)
-      qk_rows<D>(w.qrow.data(), rows, b.kp + base + (j0 / 16 + 2 * c) * 16 * D, w.s.data() + 32 * c,
-                 kBlockK);
+    const uint16_t* kp = b.kp + base + (j0 / 16) * 16 * D;
+#ifdef PLASERVE_AMX
+    if constexpr (D % 32 == 0)
+      if (tiles) qk_amx<D>(w.q.data(), groups, kp, pairs32, w.s.data(), kBlockK);
+#endif
+    if (!tiles)
+      for (int c = 0; c < pairs32; ++c)
+        qk_rows<D>(w.qrow.data(), rows, kp + 2 * c * 16 * D, w.s.data() + 32 * c, kBlockK);
     // Online softmax, row by row: the new maximum, the rescale of what was summed so far, P.
     for (int r = 0; r < rows; ++r) {
       const int valid = static_cast<int>(
@@ -263,7 +412,12 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
       }
       w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(vsum);
     }
-    pv_rows<D>(w.p.data(), kBlockK, rows, b.vp + base + j0 * D, 16 * pairs32, w.o.data());
+    const uint16_t* vp = b.vp + base + j0 * D;
+#ifdef PLASERVE_AMX
+    if constexpr (D % 32 == 0)
+      if (tiles) pv_amx<D>(w.p.data(), kBlockK, groups, vp, pairs32, w.o.data());
+#endif
+    if (!tiles) pv_rows<D>(w.p.data(), kBlockK, rows, vp, 16 * pairs32, w.o.data());
   }
   for (int r = 0; r < rows; ++r) {
     const int64_t token = b.q_starts[seq] + q0 + r / group;
@@ -298,10 +452,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       b.packed_at[s * b.kv_heads + g] = total;
       total += padded_keys(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
-  // Uninitialised: pack_kv writes every element, padding included.
-  std::unique_ptr<uint16_t[]> kp(new uint16_t[total]), vp(new uint16_t[total]);
-  b.kp = kp.get();
-  b.vp = vp.get();
+  // Uninitialised: pack_kv writes every element, padding included. Kept by the calling thread from
+  // call to call: freshly allocated, megabytes of it would page-fault in at every layer.
+  thread_local std::vector<uint16_t> packed;
+  if (packed.size() < static_cast<size_t>(2 * total)) packed.resize(2 * total);
+  b.kp = packed.data();
+  b.vp = packed.data() + total;
   const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
   const int64_t* index = k_index.data_ptr<int64_t>();
@@ -332,11 +488,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  const bool amx = amx_for<D>(amx_in_use());
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
+#ifdef PLASERVE_AMX
+    if (amx) load_tiles();
+#endif
     for (int64_t t = begin; t < end; ++t)
       for (int64_t i; (i = next.fetch_add(1)) < n;)
-        attend<D>(b, items[i].seq, items[i].head, items[i].q0, w);
+        attend<D>(b, items[i].seq, items[i].head, items[i].q0, amx, w);
+#ifdef PLASERVE_AMX
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -369,10 +532,20 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 }  // namespace
 
+// Whether the products run on AMX tiles: `use` true asks for them (granted where the CPU, the OS and
+// the build allow), false turns them off (the AVX512-BF16 dot products then); returns the state after.
+bool use_amx(bool use) {
+#ifdef PLASERVE_AMX
+  g_use_amx.store(use && amx_available());
+#endif
+  return amx_in_use();
+}
+
 TORCH_LIBRARY(plaserve_cpu, m) {
   m.def(
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor q_starts, "
       "Tensor k_index, Tensor k_starts, float scale) -> ()");
+  m.def("use_amx(bool use) -> bool", &use_amx);
 }
 
 TORCH_LIBRARY_IMPL(plaserve_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }
