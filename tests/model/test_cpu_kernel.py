@@ -43,7 +43,8 @@ def _run(q, k, v, q_lens, k_lens, scale, index=None):
 @needs_kernel
 @pytest.mark.parametrize(
     "heads, kv_heads, dim",
-    [(4, 2, 16), (8, 2, 32), (8, 2, 64), (14, 2, 64), (4, 4, 128), (8, 1, 128)],
+    # GQA groups of 1-32: decode rows of groups up to 16 read K/V in place on AMX, larger ones pack
+    [(4, 2, 16), (8, 2, 32), (8, 2, 64), (14, 2, 64), (4, 4, 128), (8, 1, 128), (32, 1, 64)],
 )
 @pytest.mark.parametrize(
     "lens",
@@ -81,6 +82,34 @@ def test_kernel_reads_keys_through_the_index(isa):
     in_place = _run(q, k, v, [10], [90], 0.125)
     through = _run(q, scattered_k, scattered_v, [10], [90], 0.125, index=perm)
     assert torch.equal(in_place, through)
+
+
+@needs_kernel
+def test_decode_rows_read_through_a_scattered_index(isa):
+    """Decode rows (one query token each) whose keys sit in cache blocks of 16 slots in any order, as
+    the paged cache holds them (runs of 16 contiguous slots), one run broken by two swapped slots,
+    with short and long contexts: equal to the same keys in place, and to SDPA."""
+    gen = torch.Generator().manual_seed(3)
+    k_lens = [1, 15, 16, 17, 300, 1000]
+    q = torch.randn(len(k_lens), 14, 64, generator=gen).bfloat16()
+    k, v = torch.randn(2, sum(k_lens), 2, 64, generator=gen).bfloat16()
+    blocks = torch.randperm(sum(-(-n // 16) for n in k_lens) + 8, generator=gen).tolist()
+    index = []
+    for n in k_lens:
+        table, blocks = blocks[: -(-n // 16)], blocks[-(-n // 16) :]
+        index.append((torch.tensor(table)[:, None] * 16 + torch.arange(16)).flatten()[:n])
+    index = torch.cat(index)
+    index[[400, 410]] = index[[410, 400]]
+    cache_k, cache_v = (torch.zeros(int(index.max()) + 1, 2, 64).bfloat16() for _ in range(2))
+    cache_k[index], cache_v[index] = k, v
+    q_lens = [1] * len(k_lens)
+    in_place = _run(q, k, v, q_lens, k_lens, 0.125)
+    through = _run(q, cache_k, cache_v, q_lens, k_lens, 0.125, index=index)
+    torch.testing.assert_close(through.float(), in_place.float(), atol=0, rtol=0)
+    q_starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+    want = kernels.reference_attention(q, k, v, q_starts, k_starts, 0.125)
+    torch.testing.assert_close(through.float(), want.float(), atol=2e-2, rtol=0)
 
 
 BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 96, 16, 8, 2, 64

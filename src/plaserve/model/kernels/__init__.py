@@ -189,7 +189,7 @@ def attention_kernel() -> VarlenAttention | None:
 
 def uses_amx() -> bool:
     """Whether the attention kernel's products run on AMX tiles in this process."""
-    return attention_kernel() is not None and torch.ops.plaserve_cpu.use_amx(True)
+    return attention_kernel() is not None and torch.ops.plaserve_cpu.amx_in_use()
 
 
 @functools.cache

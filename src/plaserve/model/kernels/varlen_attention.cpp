@@ -265,6 +265,10 @@ struct Batch {
   int64_t heads, kv_heads;
   const int64_t* q_starts;
   const int64_t* k_starts;
+  const uint16_t* k;  // the keys and values as given (a batch's rows, or the flat cache)
+  const uint16_t* v;
+  int64_t k_stride, v_stride;
+  const int64_t* index;            // k_index
   std::vector<int64_t> packed_at;  // per (sequence, K/V head): offset of its packed K (and V)
   const uint16_t* kp;
   const uint16_t* vp;
@@ -430,6 +434,124 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratc
   }
 }
 
+#ifdef PLASERVE_AMX
+// A decode row's attention (one query token of sequence `seq`, the query heads of K/V head g), its
+// keys and values read where they are, with no packing pass: a decode row reads each key once, so
+// packing them would cost as much as attending to them. S^T = K Q^T on tiles, 16 keys a tile straight
+// from the cache (a run of 16 consecutive slots is one cache block; other runs are copied first), Q^T
+// the B tile ([D/2 pairs][16 columns][2], column r = query head r of the group); then the softmax down
+// the keys (every row's scores are a column: no horizontal reductions), and O += p V in float32 FMAs
+// with the accumulators in registers.
+struct DirectScratch {
+  std::vector<float> st;           // S^T, then P^T: [keys][16]
+  std::vector<uint16_t> qt, rows;  // Q^T; a copied run of 16 keys
+};
+
+constexpr int kMaxDirectGroup = 16;  // query heads per K/V head that fit the tiles' 16 columns
+
+template <int D, int R>
+void pv_direct(const Batch& b, const int64_t* index, int64_t k_len, int64_t g, const float* pt,
+               int r0, const float* inv_l, uint16_t* out) {
+  constexpr int NV = D / 16;
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k_len; ++j) {
+    const uint16_t* row = b.v + index[j] * b.v_stride + g * D;
+    if (j + 16 < k_len) {  // the row 16 keys on: the next cache block once this one is read
+      const char* ahead = reinterpret_cast<const char*>(b.v + index[j + 16] * b.v_stride + g * D);
+      for (int line = 0; line < D * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+    }
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c)
+      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))),
+          16));
+    for (int r = 0; r < R; ++r) {
+      const __m512 p = _mm512_set1_ps(pt[j * 16 + r0 + r]);
+      for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(inv_l[r0 + r]);
+    uint16_t* dst = out + (r0 + r) * D;
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, acc[r][c])));
+  }
+}
+
+template <int D>
+void attend_direct(const Batch& b, int64_t seq, int64_t g, DirectScratch& w) {
+  static_assert(D % 32 == 0);
+  const int group = static_cast<int>(b.heads / b.kv_heads);
+  const int64_t token = b.q_starts[seq];
+  const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
+  const int64_t* index = b.index + b.k_starts[seq];
+  w.qt.assign(D * 16, 0);
+  auto* qt32 = reinterpret_cast<uint32_t*>(w.qt.data());
+  for (int r = 0; r < group; ++r) {
+    const auto* q32 =
+        reinterpret_cast<const uint32_t*>(b.q + token * b.q_stride + (g * group + r) * D);
+    for (int dp = 0; dp < D / 2; ++dp) qt32[dp * 16 + r] = q32[dp];
+  }
+  w.st.resize(static_cast<size_t>((k_len + 15) / 16 * 16) * 16);
+  w.rows.resize(16 * D);
+  for (int64_t j0 = 0; j0 < k_len; j0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, k_len - j0));
+    bool run = n == 16;
+    for (int i = 1; run && i < 16; ++i) run = index[j0 + i] == index[j0] + i;
+    const uint16_t* src = w.rows.data();
+    int64_t stride = D * 2;  // bytes
+    if (run) {
+      src = b.k + index[j0] * b.k_stride + g * D;
+      stride = b.k_stride * 2;
+    } else {
+      for (int i = 0; i < 16; ++i) {
+        uint16_t* dst = w.rows.data() + i * D;
+        if (i < n)
+          std::memcpy(dst, b.k + index[j0 + i] * b.k_stride + g * D, sizeof(uint16_t) * D);
+        else
+          std::memset(dst, 0, sizeof(uint16_t) * D);
+      }
+    }
+    _tile_zero(0);
+    for (int dk = 0; dk < D / 32; ++dk) {
+      _tile_loadd(1, src + dk * 32, stride);
+      _tile_loadd(2, w.qt.data() + dk * 16 * 32, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, w.st.data() + j0 * 16, 64);
+  }
+  // Softmax down the keys: lane r of every key's vector is query head r's score.
+  float* st = w.st.data();
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < k_len; ++j) m = _mm512_max_ps(m, _mm512_loadu_ps(st + j * 16));
+  const __m512 vs = _mm512_set1_ps(b.scale), ms = _mm512_mul_ps(m, vs);
+  __m512 l = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k_len; ++j) {
+    const __m512 e = exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(st + j * 16), vs, ms));
+    _mm512_storeu_ps(st + j * 16, e);
+    l = _mm512_add_ps(l, e);
+  }
+  alignas(64) float inv_l[16];
+  _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+  uint16_t* out = b.out + token * b.out_stride + g * group * D;
+  // Up to 6 rows a pass over V (6 x D/16 accumulators in registers for D <= 64; 3 for D = 128).
+  constexpr int kRows = D <= 64 ? 6 : 3;
+  for (int r0 = 0; r0 < group; r0 += kRows) {
+    switch (std::min(group - r0, kRows)) {
+      case 6: pv_direct<D, 6>(b, index, k_len, g, st, r0, inv_l, out); break;
+      case 5: pv_direct<D, 5>(b, index, k_len, g, st, r0, inv_l, out); break;
+      case 4: pv_direct<D, 4>(b, index, k_len, g, st, r0, inv_l, out); break;
+      case 3: pv_direct<D, 3>(b, index, k_len, g, st, r0, inv_l, out); break;
+      case 2: pv_direct<D, 2>(b, index, k_len, g, st, r0, inv_l, out); break;
+      default: pv_direct<D, 1>(b, index, k_len, g, st, r0, inv_l, out); break;
+    }
+  }
+}
+#endif  // PLASERVE_AMX
+
 template <int D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
          const at::Tensor& q_starts, const at::Tensor& k_index, const at::Tensor& k_starts,
@@ -445,11 +567,24 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   b.q_starts = q_starts.data_ptr<int64_t>();
   b.k_starts = k_starts.data_ptr<int64_t>();
   b.scale = static_cast<float>(scale);
-  b.packed_at.resize(seqs * b.kv_heads);
+  b.k = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  b.v = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  b.k_stride = k.stride(0);
+  b.v_stride = v.stride(0);
+  b.index = k_index.data_ptr<int64_t>();
+  const bool amx = amx_for<D>(amx_in_use());
+  // Decode rows (one query token) are attended in place on AMX (attend_direct); the rest packed.
+  auto direct = [&](int64_t s) {
+    return amx && b.q_starts[s + 1] - b.q_starts[s] == 1 &&
+           b.heads / b.kv_heads <= kMaxDirectGroup;
+  };
+  b.packed_at.assign(seqs * b.kv_heads, -1);
+  std::vector<int64_t> to_pack;  // (sequence, K/V head) pairs
   int64_t total = 0;
   for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t g = 0; g < b.kv_heads; ++g) {
+    for (int64_t g = 0; g < b.kv_heads && !direct(s); ++g) {
       b.packed_at[s * b.kv_heads + g] = total;
+      to_pack.push_back(s * b.kv_heads + g);
       total += padded_keys(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
   // Uninitialised: pack_kv writes every element, padding included. Kept by the calling thread from
@@ -458,13 +593,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   if (packed.size() < static_cast<size_t>(2 * total)) packed.resize(2 * total);
   b.kp = packed.data();
   b.vp = packed.data() + total;
-  const auto* kd = reinterpret_cast<const uint16_t*>(k.data_ptr());
-  const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
-  const int64_t* index = k_index.data_ptr<int64_t>();
-  at::parallel_for(0, seqs * b.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / b.kv_heads, g = i % b.kv_heads;
-      pack_kv<D>(kd, vd, k.stride(0), v.stride(0), index + b.k_starts[s],
+  at::parallel_for(0, static_cast<int64_t>(to_pack.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t i = to_pack[p], s = i / b.kv_heads, g = i % b.kv_heads;
+      pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, b.index + b.k_starts[s],
                  b.k_starts[s + 1] - b.k_starts[s], g,
                  const_cast<uint16_t*>(b.kp) + b.packed_at[i],
                  const_cast<uint16_t*>(b.vp) + b.packed_at[i]);
@@ -488,15 +620,23 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
-  const bool amx = amx_for<D>(amx_in_use());
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
 #ifdef PLASERVE_AMX
+    DirectScratch dw;
     if (amx) load_tiles();
 #endif
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t i; (i = next.fetch_add(1)) < n;)
+      for (int64_t i; (i = next.fetch_add(1)) < n;) {
+#ifdef PLASERVE_AMX
+        if constexpr (D % 32 == 0)
+          if (direct(items[i].seq)) {
+            attend_direct<D>(b, items[i].seq, items[i].head, dw);
+            continue;
+          }
+#endif
         attend<D>(b, items[i].seq, items[i].head, items[i].q0, amx, w);
+      }
 #ifdef PLASERVE_AMX
     if (amx) _tile_release();
 #endif
@@ -546,6 +686,7 @@ TORCH_LIBRARY(plaserve_cpu, m) {
       "varlen_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor q_starts, "
       "Tensor k_index, Tensor k_starts, float scale) -> ()");
   m.def("use_amx(bool use) -> bool", &use_amx);
+  m.def("amx_in_use() -> bool", &amx_in_use);
 }
 
 TORCH_LIBRARY_IMPL(plaserve_cpu, CPU, m) { m.impl("varlen_attention", &varlen_attention); }
