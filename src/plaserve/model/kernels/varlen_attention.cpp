@@ -1,5 +1,6 @@
-// Causal varlen attention in bfloat16 for CPUs with AVX512-BF16 (built and loaded by
-// plaserve/model/cpu_attention.py; torch's SDPA is the fallback everywhere this is not built).
+// Causal varlen attention in bfloat16 for CPUs with AVX512-BF16, its products on AMX tiles where the
+// CPU has them (built and loaded by plaserve/model/kernels; torch's SDPA is the fallback everywhere
+// this is not built).
 //
 // One call attends every sequence of a packed batch. Sequence s has q_len new query tokens at rows
 // [q_starts[s], q_starts[s+1]) of q and out, and k_len keys, the key tokens k_index[k_starts[s] ..
@@ -7,14 +8,20 @@
 // aligned to the end of the keys: query i sees keys j <= k_len - q_len + i.
 //
 // Two passes, both over torch's intra-op thread pool:
-//  1. each (sequence, K/V head)'s keys and values are copied once into the pair-interleaved layouts
-//     that vdpbf16ps multiplies (K: 16 keys x 2 dims a register, V: 16 dims x 2 keys), zero-padded
-//     to a multiple of 32 keys; the gather from the paged cache is this same copy;
+//  1. each (sequence, K/V head)'s keys and values are copied once into the layouts the products
+//     multiply, zero-padded to a multiple of 32 keys; the gather from the paged cache is this same
+//     copy. AVX512-BF16: pair-interleaved for vdpbf16ps (K: 16 keys x 2 dims a register, V: 16 dims x
+//     2 keys). AMX: K as it is (rows of keys), V transposed (rows of dimensions);
 //  2. work items of kBlockQ query tokens of one K/V head, times the query heads that share it (so
-//     one pass over a K/V block serves the whole GQA group), run online-softmax (flash) attention
-//     over key blocks of kBlockK: S = Q K^T and O += P V in vdpbf16ps (float32 accumulation), the
-//     softmax in float32, P rounded to bfloat16 for the second product. Items are taken
-//     largest-first from a shared counter, which keeps the two ends of a causal triangle balanced.
+//     one pass over a K/V block serves the whole GQA group), run online-softmax (flash) attention:
+//     float32 accumulation and softmax, P rounded to bfloat16 for the second product.
+//     AVX512-BF16 (attend): S = Q K^T and O += P V in vdpbf16ps over key blocks of kBlockK, the
+//     softmax row by row. AMX (attend_amx): the transposed form, 16 rows (token x head) at a time,
+//     S^T = K Q^T and O^T += V^T P^T as tile multiplies, so each key's scores are one vector over the
+//     16 rows and the softmax needs no horizontal reductions.
+//     Decode rows (one query token) on AMX skip pass 1 and read K/V where they are (attend_direct).
+//     Items are taken largest-first from a shared counter, which keeps the two ends of a causal
+//     triangle balanced.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -136,128 +143,6 @@ void pv_rows(const uint16_t* p, int ldP, int rows, const uint16_t* vp, int n_pai
   for (; r < rows; ++r) pv_tile<1, D>(p + r * ldP, ldP, vp, n_pairs, o + r * D);
 }
 
-
-#ifdef PLASERVE_AMX
-// AMX: the two products of a work item as tile multiplies (tdpbf16ps: a 16 x 32 bfloat16 tile A times
-// a 32 x 16 tile B held as 16 rows of 16 pairs, accumulated into a 16 x 16 float32 tile C). The packed
-// layouts of pass 1 are already B tiles: 16 dimension pairs of a 16-key chunk are a tile of K^T, 16 key
-// pairs of 16 dimensions a tile of V. Every tile is configured 16 rows x 64 bytes; work items pad their
-// query rows to a multiple of 16 (the padding rows are computed and thrown away).
-
-// The CPU has AMX, the OS saves its state, and Linux let this process use it (a permission asked for
-// once a process; torch's oneDNN asks for the same).
-bool amx_available() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  if (!tile || !bf16) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-std::atomic<bool> g_use_amx{amx_available()};
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Each thread loads the configuration when it starts on a call's items (oneDNN's kernels, which run on
-// the same threads, configure the tiles their own way in between) and releases the tiles after.
-void load_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// S[16 g .. 16 g + 16)[32 c .. 32 c + 32) = Q K^T for every 16-row group g and 32-key chunk pair c:
-// q: [groups * 16][D] bfloat16; kp: the block's packed keys ([chunk][D/2][16][2]); s: rows of ldS.
-template <int D>
-void qk_amx(const uint16_t* q, int groups, const uint16_t* kp, int pairs32, float* s, int ldS) {
-  static_assert(D % 32 == 0);
-  for (int g = 0; g < groups; ++g)
-    for (int c = 0; c < pairs32; ++c) {
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int dk = 0; dk < D / 32; ++dk) {
-        _tile_loadd(2, q + g * 16 * D + dk * 32, D * 2);
-        _tile_loadd(3, kp + (2 * c) * 16 * D + dk * 16 * 32, 64);
-        _tile_loadd(4, kp + (2 * c + 1) * 16 * D + dk * 16 * 32, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
-      }
-      _tile_stored(0, s + g * 16 * ldS + 32 * c, ldS * 4);
-      _tile_stored(1, s + g * 16 * ldS + 32 * c + 16, ldS * 4);
-    }
-}
-
-// O[16 g ..][16 c .. 16 c + 16) for four dimension chunks from c0 (fewer where D / 16 is smaller),
-// accumulated over pairs32 chunks of 32 keys: tiles 0-3 hold O, 4 a P tile, 5 a V tile.
-template <int D, int NC>
-void pv_amx_chunks(const uint16_t* p, int ldP, const uint16_t* vp, int pairs32, float* o, int c0) {
-  static_assert(NC >= 1 && NC <= 4);
-  _tile_loadd(0, o + (c0 + 0) * 16, D * 4);
-  if constexpr (NC > 1) _tile_loadd(1, o + (c0 + 1) * 16, D * 4);
-  if constexpr (NC > 2) _tile_loadd(2, o + (c0 + 2) * 16, D * 4);
-  if constexpr (NC > 3) _tile_loadd(3, o + (c0 + 3) * 16, D * 4);
-  for (int kc = 0; kc < pairs32; ++kc) {
-    _tile_loadd(4, p + 32 * kc, ldP * 2);
-    const uint16_t* v = vp + kc * 16 * D * 2;  // key pair 16 kc: [pairs][D][2]
-    _tile_loadd(5, v + (c0 + 0) * 32, D * 4);
-    _tile_dpbf16ps(0, 4, 5);
-    if constexpr (NC > 1) {
-      _tile_loadd(5, v + (c0 + 1) * 32, D * 4);
-      _tile_dpbf16ps(1, 4, 5);
-    }
-    if constexpr (NC > 2) {
-      _tile_loadd(5, v + (c0 + 2) * 32, D * 4);
-      _tile_dpbf16ps(2, 4, 5);
-    }
-    if constexpr (NC > 3) {
-      _tile_loadd(5, v + (c0 + 3) * 32, D * 4);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-  }
-  _tile_stored(0, o + (c0 + 0) * 16, D * 4);
-  if constexpr (NC > 1) _tile_stored(1, o + (c0 + 1) * 16, D * 4);
-  if constexpr (NC > 2) _tile_stored(2, o + (c0 + 2) * 16, D * 4);
-  if constexpr (NC > 3) _tile_stored(3, o + (c0 + 3) * 16, D * 4);
-}
-
-// O += P V for every 16-row group: p rows of ldP bfloat16, vp the block's packed values, o [rows][D].
-template <int D>
-void pv_amx(const uint16_t* p, int ldP, int groups, const uint16_t* vp, int pairs32, float* o) {
-  constexpr int NC = D / 16;
-  for (int g = 0; g < groups; ++g) {
-    const uint16_t* pg = p + g * 16 * ldP;
-    float* og = o + g * 16 * D;
-    for (int c0 = 0; c0 < NC; c0 += 4) {
-      if constexpr (NC >= 4)
-        pv_amx_chunks<D, 4>(pg, ldP, vp, pairs32, og, c0);
-      else
-        pv_amx_chunks<D, NC>(pg, ldP, vp, pairs32, og, c0);
-    }
-  }
-}
-#endif  // PLASERVE_AMX
-
-bool amx_in_use() {
-#ifdef PLASERVE_AMX
-  return g_use_amx.load(std::memory_order_relaxed);
-#else
-  return false;
-#endif
-}
-
 struct Batch {
   const uint16_t* q;
   uint16_t* out;
@@ -325,19 +210,13 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_s
 
 struct Scratch {
   std::vector<float> s, o, m, l;
-  std::vector<uint16_t> p, q;  // q: the item's query rows, copied for AMX's tile loads
+  std::vector<uint16_t> p;
   std::vector<const uint16_t*> qrow;
 };
 
-// AMX for this head size on this call: tiles take 32 dimensions a row.
-template <int D>
-bool amx_for(bool amx) {
-  return amx && D % 32 == 0;
-}
-
 // Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`.
 template <int D>
-void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratch& w) {
+void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
   const int64_t group = b.heads / b.kv_heads;
   const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
   const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
@@ -345,12 +224,9 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratc
   const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
   const int rows = static_cast<int>(nq * group);  // row = token * group + head
   const int64_t k_end = offset + q0 + nq;         // keys the last token sees
-  const bool tiles = amx_for<D>(amx);
-  const int groups = (rows + 15) / 16;              // AMX: 16-row tiles
-  const int padded_rows = tiles ? 16 * groups : rows;
-  w.s.resize(static_cast<size_t>(padded_rows) * kBlockK);
-  w.p.resize(static_cast<size_t>(padded_rows) * kBlockK);
-  w.o.assign(static_cast<size_t>(padded_rows) * D, 0.0f);
+  w.s.resize(static_cast<size_t>(rows) * kBlockK);
+  w.p.resize(static_cast<size_t>(rows) * kBlockK);
+  w.o.assign(static_cast<size_t>(rows) * D, 0.0f);
   w.m.assign(rows, -std::numeric_limits<float>::infinity());
   w.l.assign(rows, 0.0f);
   w.qrow.resize(rows);
@@ -358,26 +234,14 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratc
     const int64_t token = b.q_starts[seq] + q0 + r / group;
     w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
   }
-  if (tiles) {  // the rows as one [padded_rows][D] tile source; padding rows zero, their P too
-    w.q.resize(static_cast<size_t>(padded_rows) * D);
-    for (int r = 0; r < rows; ++r) std::memcpy(w.q.data() + r * D, w.qrow[r], sizeof(uint16_t) * D);
-    std::memset(w.q.data() + rows * D, 0, sizeof(uint16_t) * (padded_rows - rows) * D);
-    std::memset(w.p.data() + static_cast<size_t>(rows) * kBlockK, 0,
-                sizeof(uint16_t) * (padded_rows - rows) * kBlockK);
-  }
   const int64_t base = b.packed_at[seq * b.kv_heads + g];
   const float scale = b.scale;
   for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
     const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
     const int pairs32 = (nk + 31) / 32;  // chunk pairs of 32 keys
-    const uint16_t* kp = b.kp + base + (j0 / 16) * 16 * D;
-#ifdef PLASERVE_AMX
-    if constexpr (D % 32 == 0)
-      if (tiles) qk_amx<D>(w.q.data(), groups, kp, pairs32, w.s.data(), kBlockK);
-#endif
-    if (!tiles)
-      for (int c = 0; c < pairs32; ++c)
-        qk_rows<D>(w.qrow.data(), rows, kp + 2 * c * 16 * D, w.s.data() + 32 * c, kBlockK);
+    for (int c = 0; c < pairs32; ++c)
+      qk_rows<D>(w.qrow.data(), rows, b.kp + base + (j0 / 16 + 2 * c) * 16 * D, w.s.data() + 32 * c,
+                 kBlockK);
     // Online softmax, row by row: the new maximum, the rescale of what was summed so far, P.
     for (int r = 0; r < rows; ++r) {
       const int valid = static_cast<int>(
@@ -416,12 +280,7 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratc
       }
       w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(vsum);
     }
-    const uint16_t* vp = b.vp + base + j0 * D;
-#ifdef PLASERVE_AMX
-    if constexpr (D % 32 == 0)
-      if (tiles) pv_amx<D>(w.p.data(), kBlockK, groups, vp, pairs32, w.o.data());
-#endif
-    if (!tiles) pv_rows<D>(w.p.data(), kBlockK, rows, vp, 16 * pairs32, w.o.data());
+    pv_rows<D>(w.p.data(), kBlockK, rows, b.vp + base + j0 * D, 16 * pairs32, w.o.data());
   }
   for (int r = 0; r < rows; ++r) {
     const int64_t token = b.q_starts[seq] + q0 + r / group;
@@ -435,6 +294,273 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, bool amx, Scratc
 }
 
 #ifdef PLASERVE_AMX
+// The CPU has AMX, the OS saves its state, and Linux let this process use it (a permission asked for
+// once a process; torch's oneDNN asks for the same).
+bool amx_available() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  if (!tile || !bf16) return false;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+std::atomic<bool> g_use_amx{amx_available()};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Each thread loads the configuration when it starts on a call's items (oneDNN's kernels, which run on
+// the same threads, configure the tiles their own way in between) and releases the tiles after.
+void load_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Pass 1 on AMX: the keys of one (sequence, K/V head) as rows, [padded][D], and its values
+// transposed, [D][padded] (a row of V^T is an A tile's row: 32 keys of one dimension); zero past the
+// last key.
+template <int D>
+void pack_kv_amx(const Batch& b, const int64_t* index, int64_t k_len, int64_t head, uint16_t* kn,
+                 uint16_t* vt) {
+  const int64_t padded = padded_keys(k_len);
+  for (int64_t j = 0; j < padded; ++j) {
+    if (j < k_len)
+      std::memcpy(kn + j * D, b.k + index[j] * b.k_stride + head * D, sizeof(uint16_t) * D);
+    else
+      std::memset(kn + j * D, 0, sizeof(uint16_t) * D);
+  }
+  // 32 keys at a time: their rows read once, each dimension's 32 values written as one row piece.
+  for (int64_t j0 = 0; j0 < padded; j0 += 32) {
+    const uint16_t* rows[32];
+    for (int i = 0; i < 32; ++i)
+      rows[i] = j0 + i < k_len ? b.v + index[j0 + i] * b.v_stride + head * D : nullptr;
+    for (int d = 0; d < D; ++d) {
+      uint16_t* dst = vt + d * padded + j0;
+      for (int i = 0; i < 32; ++i) dst[i] = rows[i] ? rows[i][d] : 0;
+    }
+  }
+}
+
+// 2^t for t <= ~8 (scores in base-2 units, less the running maximum): 2^n * p(f), n = round(t),
+// f = t - n in [-1/2, 1/2], p a degree-4 polynomial (relative error ~4e-6 after rounding; P is rounded
+// to bfloat16 anyway). t is clamped at -100 so that the result stays a normal float.
+inline __m512 exp2_p(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-100.0f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// How far (base 2) a score may rise above the maximum P is taken against before O and l are rescaled:
+// P stays <= 2^8, and most blocks after the first rescale nothing.
+constexpr float kRescaleSlack = 8.0f;
+
+// O^T chunk c (16 dimensions x 16 rows) += V^T chunk c (16 dims x 32 keys, tile 6) x P^T (tile 7). The
+// first four chunks stay in tiles 0-3 for the whole key loop; chunks 4-7 (D = 128) go through tile 4 and
+// `o_extra` ([c - 4][16][16] float32).
+template <int D>
+void pv_t(const uint16_t* vt, int64_t padded, int64_t j0, float* o_extra) {
+  constexpr int NC = D / 16;
+  _tile_loadd(6, vt + 0 * 16 * padded + j0, padded * 2);
+  _tile_dpbf16ps(0, 6, 7);
+  if constexpr (NC > 1) {
+    _tile_loadd(6, vt + 1 * 16 * padded + j0, padded * 2);
+    _tile_dpbf16ps(1, 6, 7);
+  }
+  if constexpr (NC > 2) {
+    _tile_loadd(6, vt + 2 * 16 * padded + j0, padded * 2);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(6, vt + 3 * 16 * padded + j0, padded * 2);
+    _tile_dpbf16ps(3, 6, 7);
+  }
+  for (int c = 4; c < NC; ++c) {
+    _tile_loadd(4, o_extra + (c - 4) * 256, 64);
+    _tile_loadd(6, vt + c * 16 * padded + j0, padded * 2);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_stored(4, o_extra + (c - 4) * 256, 64);
+  }
+}
+
+// Tiles 0-3 (O^T chunks) to and from `o` ([chunk][16][16] float32).
+template <int NC>
+void store_o(float* o) {
+  _tile_stored(0, o, 64);
+  if constexpr (NC > 1) _tile_stored(1, o + 256, 64);
+  if constexpr (NC > 2) {
+    _tile_stored(2, o + 512, 64);
+    _tile_stored(3, o + 768, 64);
+  }
+}
+
+template <int NC>
+void load_o(const float* o) {
+  _tile_loadd(0, o, 64);
+  if constexpr (NC > 1) _tile_loadd(1, o + 256, 64);
+  if constexpr (NC > 2) {
+    _tile_loadd(2, o + 512, 64);
+    _tile_loadd(3, o + 768, 64);
+  }
+}
+
+// Pass 2 on AMX: kBlockQ query tokens (from q0) of sequence `seq`, the query heads of K/V head g, 16
+// rows (token x head) at a time. Per 32 keys: S^T = K Q^T in tiles 4 and 5 (A: 16 key rows, tile 6;
+// B: Q^T as [D/2 pairs][16 rows][2], tile 7), stored; P^T = 2^(S^T scale log2 e - m), one vector
+// per key, the maximum m per row taken lazily (kRescaleSlack); P^T interleaved by key pairs into a
+// B tile; O^T += V^T P^T (pv_t). Scratch is on the stack: D <= 128.
+template <int D>
+void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
+  static_assert(D % 32 == 0 && D <= 128);
+  constexpr int NC = D / 16;
+  constexpr int kResident = NC < 4 ? NC : 4;
+  const int group = static_cast<int>(b.heads / b.kv_heads);
+  const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
+  const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
+  const int64_t offset = k_len - q_len;
+  const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
+  const int rows = nq * group;  // row = token * group + head
+  const int64_t padded = padded_keys(k_len);
+  const int64_t base = b.packed_at[seq * b.kv_heads + g];
+  const uint16_t* kn = b.kp + base;
+  const uint16_t* vt = b.vp + base;
+  const float scale2 = b.scale * 1.44269504088896341f;  // scores to base-2 exponents
+  const __m512 vscale2 = _mm512_set1_ps(scale2);
+  alignas(64) uint16_t qt[D * 16];
+  alignas(64) float st[32 * 16];
+  alignas(64) uint16_t pt[16 * 32];
+  alignas(64) float o[NC * 256];
+  alignas(64) int32_t limit[16];
+  // lane i of the pair interleave: lane i / 2 of the first key's scores (even i) or the second's
+  alignas(64) uint16_t interleave[32];
+  for (int i = 0; i < 32; ++i) interleave[i] = static_cast<uint16_t>((i & 1) * 16 + i / 2);
+  const __m512i pair_idx = _mm512_load_si512(interleave);
+  for (int r0 = 0; r0 < rows; r0 += 16) {
+    const int n = std::min(16, rows - r0);
+    // Q^T for rows r0 .. r0 + n (zero columns past them) and the last key each row sees.
+    std::memset(qt, 0, sizeof qt);
+    auto* qt32 = reinterpret_cast<uint32_t*>(qt);
+    int64_t k_end = 0;
+    for (int r = 0; r < 16; ++r) {
+      if (r >= n) {
+        limit[r] = std::numeric_limits<int32_t>::max();  // padding: sees everything, q = 0
+        continue;
+      }
+      const int64_t t = q0 + (r0 + r) / group;
+      const auto* q32 = reinterpret_cast<const uint32_t*>(
+          b.q + (b.q_starts[seq] + t) * b.q_stride + (g * group + (r0 + r) % group) * D);
+      for (int dp = 0; dp < D / 2; ++dp) qt32[dp * 16 + r] = q32[dp];
+      limit[r] = static_cast<int32_t>(offset + t);
+      k_end = std::max<int64_t>(k_end, offset + t + 1);
+    }
+    const __m512i vlimit = _mm512_load_si512(limit);
+    const int32_t min_limit = _mm512_reduce_min_epi32(vlimit);
+    for (int c = 0; c < kResident; ++c) std::memset(o + c * 256, 0, 256 * sizeof(float));
+    std::memset(o + kResident * 256, 0, (NC - kResident) * 256 * sizeof(float));
+    load_o<kResident>(o);
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());  // base-2, per row
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < k_end; j0 += 32) {
+      _tile_zero(4);
+      _tile_zero(5);
+      for (int dk = 0; dk < D / 32; ++dk) {
+        _tile_loadd(7, qt + dk * 16 * 32, 64);
+        _tile_loadd(6, kn + j0 * D + dk * 32, D * 2);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, kn + (j0 + 16) * D + dk * 32, D * 2);
+        _tile_dpbf16ps(5, 6, 7);
+      }
+      _tile_stored(4, st, 64);
+      _tile_stored(5, st + 256, 64);
+      // Key j of this block is visible to row r iff j0 + j <= limit[r]: all of them below the diagonal.
+      const bool diagonal = j0 + 31 > min_limit;
+      auto visible = [&](int j) -> __mmask16 {
+        return diagonal ? _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j0 + j)),
+                                                vlimit, _MM_CMPINT_LE)
+                        : static_cast<__mmask16>(0xFFFF);
+      };
+      // P^T into pt (B tile layout) against the running maximum m; returns the block's sum per row
+      // and its largest exponent (visible keys only) for the lazy rescale.
+      auto exponentiate = [&](__m512& top) {
+        __m512 sum = _mm512_setzero_ps();
+        top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int jp = 0; jp < 16; ++jp) {
+          const __mmask16 v0 = visible(2 * jp), v1 = visible(2 * jp + 1);
+          const __m512 t0 = _mm512_fmsub_ps(_mm512_load_ps(st + 2 * jp * 16), vscale2, m);
+          const __m512 t1 = _mm512_fmsub_ps(_mm512_load_ps(st + (2 * jp + 1) * 16), vscale2, m);
+          top = _mm512_mask_max_ps(_mm512_mask_max_ps(top, v0, top, t0), v1, top, t1);
+          const __m512 e0 = _mm512_maskz_mov_ps(v0, exp2_p(t0));
+          const __m512 e1 = _mm512_maskz_mov_ps(v1, exp2_p(t1));
+          sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+          // cvtne2ps packs (second, first): lanes 0-15 are key 2 jp's rows, 16-31 key 2 jp + 1's;
+          // the B tile wants them interleaved, row by row
+          const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+          _mm512_store_si512(pt + jp * 32, _mm512_permutexvar_epi16(pair_idx, both));
+        }
+        return sum;
+      };
+      if (j0 == 0) {  // the first block sets the maximum (every row sees key 0)
+        __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int j = 0; j < 32; ++j)
+          top = _mm512_mask_max_ps(top, visible(j), top, _mm512_load_ps(st + j * 16));
+        m = _mm512_mul_ps(top, vscale2);  // scale > 0: the maximum of the scaled scores
+      }
+      __m512 top;
+      __m512 sum = exponentiate(top);
+      // Where a row's maximum rose by more than the slack (rare after the first blocks): rescale what
+      // was summed so far to the new maximum and take this block's P again.
+      const __mmask16 rose = _mm512_cmp_ps_mask(top, _mm512_set1_ps(kRescaleSlack), _CMP_GT_OQ);
+      if (rose) {
+        const __m512 rise = _mm512_maskz_mov_ps(rose, top);
+        const __m512 alpha = exp2_p(_mm512_sub_ps(_mm512_setzero_ps(), rise));
+        store_o<kResident>(o);
+        for (int d = 0; d < D; ++d)
+          _mm512_store_ps(o + d * 16, _mm512_mul_ps(alpha, _mm512_load_ps(o + d * 16)));
+        load_o<kResident>(o);
+        l = _mm512_mul_ps(l, alpha);
+        m = _mm512_add_ps(m, rise);
+        sum = exponentiate(top);
+      }
+      l = _mm512_add_ps(l, sum);
+      _tile_loadd(7, pt, 64);
+      pv_t<D>(vt, padded, j0, o + 4 * 256);
+    }
+    store_o<kResident>(o);
+    // O = (O^T)^T / l, row by row: dimension d of row r is o[d / 16][d % 16][r].
+    alignas(64) float inv_l[16];
+    _mm512_store_ps(inv_l, _mm512_div_ps(_mm512_set1_ps(1.0f), l));
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                               5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    for (int r = 0; r < n; ++r) {
+      const int64_t token = b.q_starts[seq] + q0 + (r0 + r) / group;
+      uint16_t* dst = b.out + token * b.out_stride + (g * group + (r0 + r) % group) * D;
+      const __m512 inv = _mm512_set1_ps(inv_l[r]);
+      for (int c = 0; c < NC; ++c) {
+        const __m512 x = _mm512_i32gather_ps(column, o + c * 256 + r, 4);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, x)));
+      }
+    }
+  }
+}
+
 // A decode row's attention (one query token of sequence `seq`, the query heads of K/V head g), its
 // keys and values read where they are, with no packing pass: a decode row reads each key once, so
 // packing them would cost as much as attending to them. S^T = K Q^T on tiles, 16 keys a tile straight
@@ -552,6 +678,20 @@ void attend_direct(const Batch& b, int64_t seq, int64_t g, DirectScratch& w) {
 }
 #endif  // PLASERVE_AMX
 
+bool amx_in_use() {
+#ifdef PLASERVE_AMX
+  return g_use_amx.load(std::memory_order_relaxed);
+#else
+  return false;
+#endif
+}
+
+// AMX for this head size on this call: tiles take 32 dimensions a row.
+template <int D>
+bool amx_for(bool amx) {
+  return amx && D % 32 == 0;
+}
+
 template <int D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
          const at::Tensor& q_starts, const at::Tensor& k_index, const at::Tensor& k_starts,
@@ -596,10 +736,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   at::parallel_for(0, static_cast<int64_t>(to_pack.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t i = to_pack[p], s = i / b.kv_heads, g = i % b.kv_heads;
-      pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, b.index + b.k_starts[s],
-                 b.k_starts[s + 1] - b.k_starts[s], g,
-                 const_cast<uint16_t*>(b.kp) + b.packed_at[i],
-                 const_cast<uint16_t*>(b.vp) + b.packed_at[i]);
+      const int64_t* index = b.index + b.k_starts[s];
+      const int64_t k_len = b.k_starts[s + 1] - b.k_starts[s];
+      auto* kp = const_cast<uint16_t*>(b.kp) + b.packed_at[i];
+      auto* vp = const_cast<uint16_t*>(b.vp) + b.packed_at[i];
+#ifdef PLASERVE_AMX
+      if constexpr (D % 32 == 0)
+        if (amx) {
+          pack_kv_amx<D>(b, index, k_len, g, kp, vp);
+          continue;
+        }
+#endif
+      pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, index, k_len, g, kp, vp);
     }
   });
   // Work items (sequence, K/V head, first query token), largest first (cost ~ keys seen).
@@ -630,12 +778,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       for (int64_t i; (i = next.fetch_add(1)) < n;) {
 #ifdef PLASERVE_AMX
         if constexpr (D % 32 == 0)
-          if (direct(items[i].seq)) {
-            attend_direct<D>(b, items[i].seq, items[i].head, dw);
+          if (amx) {
+            if (direct(items[i].seq))
+              attend_direct<D>(b, items[i].seq, items[i].head, dw);
+            else
+              attend_amx<D>(b, items[i].seq, items[i].head, items[i].q0);
             continue;
           }
 #endif
-        attend<D>(b, items[i].seq, items[i].head, items[i].q0, amx, w);
+        attend<D>(b, items[i].seq, items[i].head, items[i].q0, w);
       }
 #ifdef PLASERVE_AMX
     if (amx) _tile_release();
