@@ -355,17 +355,15 @@ void pack_kv_amx(const Batch& b, const int64_t* index, int64_t k_len, int64_t he
 }
 
 // 2^t for t <= ~8 (scores in base-2 units, less the running maximum): 2^n * p(f), n = round(t),
-// f = t - n in [-1/2, 1/2], p a degree-4 polynomial (relative error ~4e-6 after rounding; P is rounded
-// to bfloat16 anyway). t is clamped at -100 so that the result stays a normal float.
+// f = t - n in [-1/2, 1/2], p a degree-3 polynomial fitted for relative error (at most 8e-5: P is
+// rounded to bfloat16, 4e-3, anyway). Far below the maximum the result underflows to 0.
 inline __m512 exp2_p(__m512 t) {
-  t = _mm512_max_ps(t, _mm512_set1_ps(-100.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  __m512 p = _mm512_set1_ps(5.50886838e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42604051e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93276242e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992894e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -443,7 +441,7 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
   const float scale2 = b.scale * 1.44269504088896341f;  // scores to base-2 exponents
   const __m512 vscale2 = _mm512_set1_ps(scale2);
   alignas(64) uint16_t qt[D * 16];
-  alignas(64) float st[32 * 16];
+  alignas(64) float both_st[2 * 32 * 16];  // S^T of two blocks of 32 keys: this one, the next
   alignas(64) uint16_t pt[16 * 32];
   alignas(64) float o[NC * 256];
   alignas(64) int32_t limit[16];
@@ -476,7 +474,8 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
     load_o<kResident>(o);
     __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());  // base-2, per row
     __m512 l = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < k_end; j0 += 32) {
+    // S^T of the 32 keys from j0 into tiles 4 and 5.
+    auto scores = [&](int64_t j0) {
       _tile_zero(4);
       _tile_zero(5);
       for (int dk = 0; dk < D / 32; ++dk) {
@@ -486,8 +485,16 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
         _tile_loadd(6, kn + (j0 + 16) * D + dk * 32, D * 2);
         _tile_dpbf16ps(5, 6, 7);
       }
-      _tile_stored(4, st, 64);
-      _tile_stored(5, st + 256, 64);
+    };
+    // Software-pipelined: the tile unit multiplies the next block's scores while the vector units
+    // take this block's softmax; they are stored (the other half of `both_st`) only after it.
+    scores(0);
+    _tile_stored(4, both_st, 64);
+    _tile_stored(5, both_st + 256, 64);
+    for (int64_t j0 = 0, cur = 0; j0 < k_end; j0 += 32, cur ^= 1) {
+      const bool more = j0 + 32 < k_end;
+      if (more) scores(j0 + 32);
+      const float* st = both_st + cur * 512;
       // Key j of this block is visible to row r iff j0 + j <= limit[r]: all of them below the diagonal.
       const bool diagonal = j0 + 31 > min_limit;
       auto visible = [&](int j) -> __mmask16 {
@@ -496,17 +503,23 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
                         : static_cast<__mmask16>(0xFFFF);
       };
       // P^T into pt (B tile layout) against the running maximum m; returns the block's sum per row
-      // and its largest exponent (visible keys only) for the lazy rescale.
-      auto exponentiate = [&](__m512& top) {
+      // and (in `top`) its largest exponent over visible keys, for the lazy rescale. Below the
+      // diagonal every key is visible: no masks.
+      auto exponentiate_as = [&]<bool kDiagonal>(__m512& top) {
         __m512 sum = _mm512_setzero_ps();
         top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int jp = 0; jp < 16; ++jp) {
-          const __mmask16 v0 = visible(2 * jp), v1 = visible(2 * jp + 1);
           const __m512 t0 = _mm512_fmsub_ps(_mm512_load_ps(st + 2 * jp * 16), vscale2, m);
           const __m512 t1 = _mm512_fmsub_ps(_mm512_load_ps(st + (2 * jp + 1) * 16), vscale2, m);
-          top = _mm512_mask_max_ps(_mm512_mask_max_ps(top, v0, top, t0), v1, top, t1);
-          const __m512 e0 = _mm512_maskz_mov_ps(v0, exp2_p(t0));
-          const __m512 e1 = _mm512_maskz_mov_ps(v1, exp2_p(t1));
+          __m512 e0 = exp2_p(t0), e1 = exp2_p(t1);
+          if constexpr (kDiagonal) {
+            const __mmask16 v0 = visible(2 * jp), v1 = visible(2 * jp + 1);
+            top = _mm512_mask_max_ps(_mm512_mask_max_ps(top, v0, top, t0), v1, top, t1);
+            e0 = _mm512_maskz_mov_ps(v0, e0);
+            e1 = _mm512_maskz_mov_ps(v1, e1);
+          } else {
+            top = _mm512_max_ps(top, _mm512_max_ps(t0, t1));
+          }
           sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
           // cvtne2ps packs (second, first): lanes 0-15 are key 2 jp's rows, 16-31 key 2 jp + 1's;
           // the B tile wants them interleaved, row by row
@@ -514,6 +527,10 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
           _mm512_store_si512(pt + jp * 32, _mm512_permutexvar_epi16(pair_idx, both));
         }
         return sum;
+      };
+      auto exponentiate = [&](__m512& top) {
+        return diagonal ? exponentiate_as.template operator()<true>(top)
+                        : exponentiate_as.template operator()<false>(top);
       };
       if (j0 == 0) {  // the first block sets the maximum (every row sees key 0)
         __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -538,6 +555,10 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
         sum = exponentiate(top);
       }
       l = _mm512_add_ps(l, sum);
+      if (more) {
+        _tile_stored(4, both_st + (cur ^ 1) * 512, 64);
+        _tile_stored(5, both_st + (cur ^ 1) * 512 + 256, 64);
+      }
       _tile_loadd(7, pt, 64);
       pv_t<D>(vt, padded, j0, o + 4 * 256);
     }
