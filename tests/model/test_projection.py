@@ -47,7 +47,7 @@ def test_fused_projection_equals_its_linears(dtype, bias, packing):
         1,
         5,
         64,
-        Projection.PACKED_MAX_ROWS + 1,
+        proj.max_packed_rows + 1,
     ):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = torch.cat(
@@ -83,7 +83,7 @@ def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype,
     assert torch.equal(emb.weight.detach(), before)
     assert proj.weight.data_ptr() == emb.weight.data_ptr()
     assert (proj.packed is not None) == layers.prepacked_pays(dtype)
-    for rows in (1, 16, Projection.PACKED_MAX_ROWS + 1):
+    for rows in (1, 16, proj.max_packed_rows + 1):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = nn.functional.linear(x.float(), before.float())
         torch.testing.assert_close(

@@ -146,7 +146,7 @@ class Projection:
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
     hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 wherever
     oneDNN can pack them, float32 where a probe finds it faster on this CPU) steps of up to
-    ``PACKED_MAX_ROWS`` rows multiply by a second copy, prepacked in oneDNN's blocked layout
+    ``max_packed_rows`` rows multiply by a second copy, prepacked in oneDNN's blocked layout
     (``mkldnn._linear_pointwise``; these weights then take twice their size). Elsewhere the weight
     stays as ``nn.Linear`` stores it, through ``F.linear``.
 
@@ -156,8 +156,12 @@ class Projection:
 
     # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
     PACK_ROWS_HINT = 16
-    # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower.
+    # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower. In
+    # half precision the packed one is still faster at 300-512 rows (Qwen2.5-0.5B's shapes: 300-token
+    # prefill 184 -> 154 ms; the embedded model's at 512: 31 -> 28 ms), level at 600 and slower from
+    # 768 (docs/BENCHMARKS.md).
     PACKED_MAX_ROWS = 256
+    PACKED_MAX_ROWS_HALF = 512
 
     def __init__(self, linears: list[nn.Linear], shared: bool = False) -> None:
         assert not shared or len(linears) == 1
@@ -175,6 +179,9 @@ class Projection:
             on_cpu = weight.device.type == "cpu"
             self.transposed = on_cpu and not shared
             self.packed = _reorder(weight) if on_cpu and prepacked_pays(weight.dtype) else None
+            self.max_packed_rows = (
+                self.PACKED_MAX_ROWS if weight.dtype == torch.float32 else self.PACKED_MAX_ROWS_HALF
+            )
             if self.transposed:
                 weight = weight.t().contiguous()
             start = 0
@@ -192,7 +199,7 @@ class Projection:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.PACKED_MAX_ROWS:
+        if self.packed is not None and x.shape[0] <= self.max_packed_rows:
             return _packed_linear(x, self.packed, self.bias)
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
