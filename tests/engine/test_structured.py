@@ -180,3 +180,37 @@ def test_the_cpu_and_device_masks_agree() -> None:
         expected = logits[row].masked_fill(mask[k] < 0, float("-inf"))
         assert torch.equal(masked[row], expected)
     assert torch.equal(masked[[0, 3]], logits[[0, 3]])
+
+
+def test_the_native_kernel_applies_the_bitmask_as_the_unpacked_mask_does() -> None:
+    """Where the CPU token-mask kernel is built, a step's bitmask stays packed and the kernel writes
+    -inf into the constrained rows' banned logits: the same logits as adding the unpacked mask, the
+    vocabulary's tail past the last full word included, the other rows untouched."""
+    import concurrent.futures
+
+    import torch
+
+    from plaserve.grammar.masks import PendingMasks, additive_on_cpu
+    from plaserve.model.kernels import token_mask
+
+    if token_mask() is None:
+        pytest.skip("the CPU token-mask kernel is not built here")
+    vocab = 1000  # 31.25 words of 32
+    gen = torch.Generator().manual_seed(4)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 32), dtype=torch.int32, generator=gen)
+
+    class Req:
+        grammar = None
+
+    constrained = [Req() for _ in range(3)]
+    reqs = [constrained[2], Req(), constrained[0], constrained[1]]
+    logits = torch.randn(4, vocab, generator=gen)
+    results = []
+    for mask in (bitmask, additive_on_cpu(bitmask.numpy(), vocab)):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result((mask, 0.0))
+        masked = logits.clone()
+        PendingMasks(constrained, future).apply(masked, reqs)
+        results.append(masked)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0][1], logits[1])
+    assert results[0].isinf().any(dim=1).tolist() == [True, False, True, True]

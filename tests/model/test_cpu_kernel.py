@@ -214,3 +214,27 @@ def test_a_failing_build_falls_back_to_sdpa(monkeypatch, tmp_path, caplog):
         assert not list((tmp_path / "kernels").glob("*.so"))
     finally:
         _clear_caches()
+
+
+@needs_kernel
+def test_a_compiler_without_amx_builds_the_kernel_without_it(monkeypatch, caplog):
+    """Where the AMX flags fail to build, the attention kernel is built again without them."""
+    real_build, tried = kernels._build, []
+
+    def build(compiler, source, flags=()):
+        tried.append(flags)
+        if flags:
+            raise RuntimeError("unrecognized command-line option '-mamx-tile'")
+        return real_build(compiler, source, kernels.AMX_FLAGS)  # the library already built here
+
+    _clear_caches()
+    try:
+        monkeypatch.setattr(kernels, "_build", build)
+        with caplog.at_level(logging.INFO, logger="plaserve.model.kernels"):
+            assert kernels.attention_kernel() is not None
+        assert tried == [kernels.AMX_FLAGS, ()]
+        assert (
+            "no build with -mamx-tile -mamx-bf16" in caplog.text and "not built" not in caplog.text
+        )
+    finally:
+        _clear_caches()

@@ -5,12 +5,14 @@ The mask of a step depends only on the tokens sampled before it, all known when 
 the runner starts the masks first and applies them once the logits exist. The worker does all that
 does not need the logits: llguidance fills the rows' bitmasks in one call for the whole batch
 (without the GIL, and without a Python call per row, which would hand the GIL back and forth with
-the forward pass), and on the CPU numpy unpacks the bits into an additive mask, 0 where a token is
-allowed and -inf where it is not. What is left for the step is one ``add_`` per run of adjacent
-constrained rows (branch-free: in the benchmark's steps about half the time of a boolean
-``masked_fill_`` over the same rows); the other rows are never touched. On a GPU the small bitmask
-goes to the device and unpacks there. A batch with no constrained row starts nothing and pays
-nothing.
+the forward pass). On CPUs where :func:`plaserve.model.kernels.token_mask` is built, that is all:
+the step writes -inf into the banned logits straight from the bitmask (one masked store per 16
+tokens), so the worker takes no CPU from the forward pass beyond llguidance's. Elsewhere on the CPU
+numpy unpacks the bits on the worker into an additive mask, 0 where a token is allowed and -inf where
+it is not, and the step adds it with one ``add_`` per run of adjacent constrained rows (branch-free: in
+the benchmark's steps about half the time of a boolean ``masked_fill_`` over the same rows). Either
+way the other rows are never touched. On a GPU the small bitmask goes to the device and unpacks
+there. A batch with no constrained row starts nothing and pays nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import llguidance
 import numpy as np
 import torch
+
+from plaserve.model.kernels import token_mask
 
 _worker: concurrent.futures.ThreadPoolExecutor | None = None
 _executor: llguidance.LLExecutor | None = None
@@ -58,8 +62,8 @@ def additive_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.zeros(banned.shape, device=bitmask.device).masked_fill_(banned, float("-inf"))
 
 
-def _compute(matchers: list[Any], vocab: int, on_cpu: bool) -> tuple[torch.Tensor, float]:
-    """The worker's part: the rows' bitmasks, unpacked into additive masks on the CPU."""
+def _compute(matchers: list[Any], vocab: int, unpack: bool) -> tuple[torch.Tensor, float]:
+    """The worker's part: the rows' bitmasks (int32), unpacked into additive masks if ``unpack``."""
     start = time.perf_counter()
     words = -(-vocab // 32)
     bitmask = np.zeros((len(matchers), words), dtype=np.int32)
@@ -70,7 +74,7 @@ def _compute(matchers: list[Any], vocab: int, on_cpu: bool) -> tuple[torch.Tenso
         words * 4,
         len(matchers),
     )
-    out = additive_on_cpu(bitmask, vocab) if on_cpu else torch.from_numpy(bitmask)
+    out = additive_on_cpu(bitmask, vocab) if unpack else torch.from_numpy(bitmask)
     return out, time.perf_counter() - start
 
 
@@ -107,6 +111,13 @@ class PendingMasks:
         order = [self._index[id(reqs[i])] for i in rows]
         if order != list(range(len(mask))):
             mask = mask[order]
+        if mask.dtype == torch.int32 and logits.device.type == "cpu":
+            native = token_mask()  # a bitmask left packed on the CPU: the native kernel is there
+            assert native is not None
+            with torch.inference_mode():  # the logits are an inference tensor
+                native(logits, mask, torch.tensor(rows))
+            self.apply_s = time.perf_counter() - start
+            return
         if mask.dtype == torch.int32:  # a bitmask for the device to unpack
             mask = additive_on_device(mask.to(logits.device), logits.shape[-1])
         with torch.inference_mode():  # the logits are an inference tensor
@@ -123,6 +134,7 @@ def start_masks(reqs: Sequence[Any], device: torch.device | None = None) -> Pend
         return None
     worker, _ = _pool()
     on_cpu = device is None or device.type == "cpu"
+    unpack = on_cpu and token_mask() is None
     matchers = [r.grammar for r in constrained]
-    future = worker.submit(_compute, matchers, matchers[0].vocab_size, on_cpu)
+    future = worker.submit(_compute, matchers, matchers[0].vocab_size, unpack)
     return PendingMasks(constrained, future)

@@ -5,6 +5,8 @@
   algorithm), or None where it cannot or should not run.
 * ``elementwise()``: the decoder layer's add + RMSNorm, rotary embedding and SwiGLU of
   ``elementwise.cpp`` in bfloat16 (CPUs with AVX512-BF16), or None.
+* ``token_mask()``: structured outputs' token bitmasks applied to float32 logits in place
+  (``token_mask.cpp``), or None.
 
 Each source is built with the C++ compiler against the installed torch's headers and its bundled
 libgomp (so the kernels run on torch's own OpenMP threads) into ``$PLASERVE_CACHE`` (default
@@ -12,7 +14,7 @@ libgomp (so the kernels run on torch's own OpenMP threads) into ``$PLASERVE_CACH
 later processes load it in milliseconds. Before a library is used, once a process, it is checked
 against torch's forms on small inputs; the attention kernel is also timed against SDPA on a mixed
 batch and used only if it is faster. No compiler, a CPU without AVX512-BF16, a failed build or
-check: one log line, and the torch forms stay. ``PLASERVE_NATIVE_KERNELS=0`` turns both off.
+check: one log line, and the torch forms stay. ``PLASERVE_NATIVE_KERNELS=0`` turns them all off.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
-# AMX (tile multiplies): used only where the CPU and the OS have it (checked at run time in the kernel).
-AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+# The attention kernel's AMX tile multiplies (used only where the CPU and the OS have them: checked at
+# run time in the kernel).
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 
 # (q, k, v, out, q_starts, k_index, k_starts, scale) -> None; see varlen_attention.cpp
 VarlenAttention = Callable[..., None]
@@ -54,14 +57,14 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str, source: Path) -> Path:
+def _build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """The shared library of ``source``, compiled unless a build of this source, these flags and this
     torch exists."""
     from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", abi, *ISA_FLAGS, *AMX_FLAGS]
+    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", abi, *ISA_FLAGS, *extra_flags]
     key = hashlib.sha256(
         source.read_bytes() + " ".join([compiler, *flags, torch.__version__]).encode()
     ).hexdigest()[:16]
@@ -85,8 +88,10 @@ def _build(compiler: str, source: Path) -> Path:
     return target
 
 
-def _loaded(source: str, what: str) -> bool:
-    """Whether ``source`` (a file beside this one) is built and loaded into torch.ops; logs why not."""
+def _loaded(source: str, what: str, flag_sets: tuple[tuple[str, ...], ...] = ((),)) -> bool:
+    """Whether ``source`` (a file beside this one) is built and loaded into torch.ops; logs why not.
+    ``flag_sets``: extra compiler flags to try in turn (a compiler without AMX support builds the
+    attention kernel without its AMX path)."""
     if os.environ.get("PLASERVE_NATIVE_KERNELS", "1") == "0":
         return False
     if cpu_bf16_support() is None:
@@ -96,12 +101,18 @@ def _loaded(source: str, what: str) -> bool:
     if compiler is None:
         log.info("%s: not used (no C++ compiler found)", what)
         return False
-    try:
-        torch.ops.load_library(str(_build(compiler, HERE / source)))
-    except Exception as e:  # noqa: BLE001 - any build or load failure leaves torch's forms
-        log.warning("%s: not built (%s: %s); using torch's operators", what, type(e).__name__, e)
-        return False
-    return True
+    for i, flags in enumerate(flag_sets):
+        try:
+            torch.ops.load_library(str(_build(compiler, HERE / source, flags)))
+            return True
+        except Exception as e:  # noqa: BLE001 - any build or load failure leaves torch's forms
+            if i + 1 < len(flag_sets):
+                log.info("%s: no build with %s (%s); trying without", what, " ".join(flags), e)
+                continue
+            log.warning(
+                "%s: not built (%s: %s); using torch's operators", what, type(e).__name__, e
+            )
+    return False
 
 
 def reference_attention(
@@ -177,7 +188,7 @@ def _faster(op: VarlenAttention) -> tuple[bool, float, float]:
 def attention_kernel() -> VarlenAttention | None:
     """The native varlen attention operator where it is built and agrees with SDPA here, whether or
     not it is the faster (tests use it; the model takes :func:`varlen_attention`)."""
-    if not _loaded("varlen_attention.cpp", "CPU attention kernel"):
+    if not _loaded("varlen_attention.cpp", "CPU attention kernel", (AMX_FLAGS, ())):
         return None
     op = torch.ops.plaserve_cpu.varlen_attention
     with torch.inference_mode():
@@ -244,3 +255,28 @@ def elementwise() -> object | None:
         return None
     log.info("CPU elementwise kernels: used")
     return ops
+
+
+@functools.cache
+def token_mask() -> Callable[..., None] | None:
+    """``apply_token_bitmask(logits, bitmask, rows)`` where it is built and agrees with the unpacked
+    masks of :mod:`plaserve.grammar.masks` here, else None: logits row ``rows[k]`` gets -inf wherever
+    bit ``j`` of ``bitmask[k]`` is clear."""
+    if not _loaded("token_mask.cpp", "CPU token-mask kernel"):
+        return None
+    op = torch.ops.plaserve_sampling.apply_token_bitmask
+    gen = torch.Generator().manual_seed(0)
+    vocab = 75  # not a multiple of 32: the last word's tail is outside the vocabulary
+    logits = torch.randn(4, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, 3), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([3, 1])
+    want = logits.clone()
+    for k, r in enumerate(rows.tolist()):
+        allowed = (bitmask[k].long()[:, None] >> torch.arange(32)) & 1
+        want[r][allowed.flatten()[:vocab] == 0] = float("-inf")
+    got = logits.clone()
+    op(got, bitmask, rows)
+    if not torch.equal(got, want):
+        log.warning("CPU token-mask kernel: disagrees with the unpacked masks here; not used")
+        return None
+    return op

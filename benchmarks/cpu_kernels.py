@@ -1,0 +1,249 @@
+"""plaserve's native CPU kernels (``plaserve.model.kernels``) against the torch forms they replace,
+bfloat16.
+
+Attention (``varlen_attention.cpp``), with its products on AMX tiles and on AVX512-BF16 dot products
+where the CPU has both:
+
+* one causal prompt of L tokens (the embedded model's 8 query / 2 K/V heads, and Qwen2.5-0.5B's
+  14 / 2; head dim 64): milliseconds and GFLOP/s (causal FLOPs: 4 x heads x head_dim x L^2 / 2);
+* a burst-like batch of 30 prompts of 300 tokens (SDPA: one call per prompt, as plaserve would call
+  it; the kernel: one call);
+* decode rows: B requests of one new token each over contexts of C tokens in a paged cache (blocks of
+  16 in shuffled order), as ``attention()`` runs them: SDPA's path gathers each group's blocks and masks
+  the padding, the kernel reads the cache through the slots. Milliseconds and the K/V bytes read per
+  second.
+
+Elementwise (``elementwise.cpp``): add + RMSNorm, rotary, SwiGLU at 1-2,048 tokens of the embedded
+model's widths, against the eager torch forms and (from 512 tokens, where plaserve compiled them) the
+``torch.compile`` ones. Token masks (``token_mask.cpp``): 32 constrained rows of a 32,000-token
+vocabulary, the kernel from the bitmask against unpacking it with numpy and adding it.
+
+Best of 7 each, on every torch thread.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/cpu_kernels.py
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from plaserve.grammar.masks import additive_on_cpu
+from plaserve.model import fused, kernels
+from plaserve.model.attention import AttentionMetadata, attention
+
+
+def best_of(fn: Callable[[], object], reps: int = 7) -> float:
+    fn()
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@functools.cache
+def isas() -> list[str]:
+    """The kernel's instruction sets on this CPU, each timed in turn (asked once, before any is
+    switched off)."""
+    return ["AMX", "AVX512-BF16"] if kernels.uses_amx() else ["AVX512-BF16"]
+
+
+def use(isa: str) -> None:
+    torch.ops.plaserve_cpu.use_amx(isa == "AMX")
+
+
+def prompts(op: Callable[..., None]) -> None:
+    names = isas()
+    print(
+        "| heads (q / kv) | L | " + " | ".join(f"{i} ms" for i in names) + " | SDPA ms | ", end=""
+    )
+    print(" | ".join(f"{i} GFLOP/s" for i in names) + " | SDPA GFLOP/s | SDPA / best kernel |")
+    print("|---|---:|" + "---:|" * (2 * len(names) + 3))
+    for heads, kv_heads in ((8, 2), (14, 2)):
+        for n in (128, 300, 512, 1024, 2048, 4096):
+            q = torch.randn(n, heads, 64).bfloat16()
+            k, v = torch.randn(2, n, kv_heads, 64).bfloat16()
+            out, starts, index = torch.empty_like(q), torch.tensor([0, n]), torch.arange(n)
+            ours = []
+            for isa in names:
+                use(isa)
+                ours.append(best_of(lambda: op(q, k, v, out, starts, index, starts, 0.125)))
+            q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            sdpa = best_of(
+                lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+            )
+            flops = 4 * heads * 64 * n * n / 2
+            times = " | ".join(f"{t * 1e3:.2f}" for t in ours)
+            rates = " | ".join(f"{flops / t / 1e9:.0f}" for t in ours)
+            print(
+                f"| {heads} / {kv_heads} | {n} | {times} | {sdpa * 1e3:.2f} | {rates} | "
+                f"{flops / sdpa / 1e9:.0f} | {sdpa / min(ours):.2f}x |"
+            )
+
+
+def burst(op: Callable[..., None]) -> None:
+    lens = [300] * 30
+    q = torch.randn(sum(lens), 8, 64).bfloat16()
+    k, v = torch.randn(2, sum(lens), 2, 64).bfloat16()
+    out, index = torch.empty_like(q), torch.arange(sum(lens))
+    starts = torch.tensor([0, *lens]).cumsum(0)
+
+    def per_prompt() -> None:
+        for s, e in zip(starts[:-1].tolist(), starts[1:].tolist()):
+            q4, k4, v4 = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True)
+
+    sdpa = best_of(per_prompt)
+    print("\n| 30 prompts of 300 tokens | ms | SDPA / kernel |\n|---|---:|---:|")
+    print(f"| SDPA, 30 calls | {sdpa * 1e3:.2f} | |")
+    for isa in isas():
+        use(isa)
+        ours = best_of(lambda: op(q, k, v, out, starts, index, starts, 0.125))
+        print(f"| kernel ({isa}), one call | {ours * 1e3:.2f} | {sdpa / ours:.2f}x |")
+
+
+def decode_rows() -> None:
+    """B decode rows over contexts of about C tokens, through ``attention()`` (cache write included)."""
+    block, blocks, gen = 16, 8192, torch.Generator().manual_seed(0)
+    kc, vc = torch.randn(2, blocks, block, 2, 64, generator=gen).bfloat16()
+    names = isas()
+    print(
+        "\n| decode rows x context | SDPA path ms | "
+        + " | ".join(f"kernel ({i}) ms" for i in names)
+        + " | "
+        + " | ".join(f"kernel ({i}) GB/s" for i in names)
+        + " |"
+    )
+    print("|---|---:|" + "---:|" * (2 * len(names)))
+    for rows, ctx in ((1, 300), (16, 300), (64, 300), (16, 2000), (64, 2000)):
+        lens = (ctx + torch.randint(-ctx // 8, ctx // 8 + 1, (rows,), generator=gen)).tolist()
+        perm = (torch.randperm(blocks - 1, generator=gen) + 1).tolist()
+        tables, taken = [], 0
+        for n in lens:
+            tables.append(perm[taken : taken + -(-n // block)])
+            taken += len(tables[-1])
+        width = max(map(len, tables))
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        slots = torch.tensor(
+            [t[(n - 1) // block] * block + (n - 1) % block for t, n in zip(tables, lens)]
+        )
+        q = torch.randn(rows, 8, 64, generator=gen).bfloat16()
+        k, v = torch.randn(2, rows, 2, 64, generator=gen).bfloat16()
+
+        def meta() -> AttentionMetadata:
+            return AttentionMetadata(
+                slot_mapping=slots,
+                prefill=[],
+                decode_block_tables=table,
+                decode_context_lens=torch.tensor(lens),
+            )
+
+        def run(native: Callable[[], object]) -> float:
+            import plaserve.model.attention as module
+
+            saved, module.varlen_attention = module.varlen_attention, native
+            try:
+                return best_of(lambda: attention(q, k, v, (kc, vc), meta(), 0.125))
+            finally:
+                module.varlen_attention = saved
+
+        sdpa = run(lambda: None)
+        ours = []
+        for isa in names:
+            use(isa)
+            ours.append(run(kernels.attention_kernel))
+        kv_bytes = sum(lens) * 2 * 64 * 2 * 2  # K and V, 2 heads, bfloat16
+        times = " | ".join(f"{t * 1e3:.3f}" for t in ours)
+        rates = " | ".join(f"{kv_bytes / t / 1e9:.1f}" for t in ours)
+        print(f"| {rows} x ~{ctx} | {sdpa * 1e3:.3f} | {times} | {rates} |")
+
+
+def elementwise() -> None:
+    ops = kernels.elementwise()
+    if ops is None:
+        print("\nthe elementwise kernels are not built on this machine")
+        return
+    print("\n| tokens | kernel | C++ ms | eager ms | compiled ms | eager / C++ |")
+    print("|---:|---|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 16, 64, 512, 2048):
+        x, residual = torch.randn(2, n, 512, generator=gen).bfloat16()
+        weight = torch.rand(512, generator=gen).bfloat16()
+        qk = torch.randn(n, 12, 64, generator=gen).bfloat16()[:, :10]  # a view, as the model's
+        cos, sin = torch.randn(2, n, 1, 32, generator=gen)
+        gate_up = torch.randn(n, 3072, generator=gen).bfloat16()
+        cases = {
+            "add + RMSNorm": (
+                lambda: ops.add_rms_norm(x.clone(), residual, weight, 1e-6),
+                lambda: fused._add_rms_norm_eager(x.clone(), residual, weight, 1e-6),
+                lambda: fused._compiled(fused._add_rms_norm)(x, residual, weight, 1e-6),
+            ),
+            "rotary": (
+                lambda: ops.rotary(qk, cos, sin),
+                lambda: fused._rotary_eager(qk, cos, sin),
+                lambda: fused._compiled(fused._rotary)(qk, cos, sin),
+            ),
+            "SwiGLU": (
+                lambda: ops.silu_mul(gate_up),
+                lambda: fused._silu_mul_eager(gate_up.clone()),
+                lambda: fused._compiled(fused._silu_mul)(gate_up),
+            ),
+        }
+        for name, (ours, eager, compiled) in cases.items():
+            a, b = best_of(ours), best_of(eager)
+            c = f"{best_of(compiled) * 1e3:.3f}" if n >= 512 else "-"
+            print(f"| {n} | {name} | {a * 1e3:.3f} | {b * 1e3:.3f} | {c} | {b / a:.1f}x |")
+
+
+def token_masks() -> None:
+    op = kernels.token_mask()
+    if op is None:
+        print("\nthe token-mask kernel is not built on this machine")
+        return
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 32000, 32
+    bitmask = torch.randint(
+        -(2**31), 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32, generator=gen
+    )
+    logits = torch.randn(64, vocab, generator=gen)
+    index = torch.arange(0, 64, 2)
+
+    def unpacked() -> None:
+        mask = additive_on_cpu(bitmask.numpy(), vocab)
+        for k, r in enumerate(index.tolist()):
+            logits[r].add_(mask[k])
+
+    ours, theirs = best_of(lambda: op(logits, bitmask, index)), best_of(unpacked)
+    print("\n| 32 of 64 rows, 32,000 tokens | ms |\n|---|---:|")
+    print(
+        f"| kernel, from the bitmask | {ours * 1e3:.3f} |\n| numpy unpack + add_ | {theirs * 1e3:.3f} |"
+    )
+
+
+def main() -> int:
+    op = kernels.attention_kernel()
+    if op is None:
+        print(
+            "the CPU attention kernel is not built on this machine (see the log): nothing to compare"
+        )
+        return 1
+    print(f"{torch.get_num_threads()} threads, bfloat16, head dim 64, kernel ISAs: {isas()}\n")
+    with torch.inference_mode():
+        prompts(op)
+        burst(op)
+        decode_rows()
+        use("AMX")
+        elementwise()
+        token_masks()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
