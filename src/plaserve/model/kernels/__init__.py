@@ -65,8 +65,9 @@ def _build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Pa
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", abi, *ISA_FLAGS, *extra_flags]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join([compiler, *flags, torch.__version__]).encode()
+        source.read_bytes() + headers + " ".join([compiler, *flags, torch.__version__]).encode()
     ).hexdigest()[:16]
     cache = Path(os.environ.get("PLASERVE_CACHE", Path.home() / ".cache" / "plaserve")) / "kernels"
     target = cache / f"{source.stem}-{key}.so"

@@ -28,6 +28,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "avx512_exp.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -48,24 +50,9 @@ namespace {
 
 constexpr int kBlockQ = 32;   // query tokens of a work item
 constexpr int kBlockK = 128;  // keys of an online-softmax step (a multiple of 32)
+constexpr int kMaxDirectGroup = 16;  // AMX decode rows: query heads per K/V head that fit 16 columns
 
-// exp(x) for x <= 0 (scores minus their row maximum): 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2,
-// p a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using plaserve::exp_ps;
 
 inline __m512bh pair(const uint16_t* p) {  // two bf16 values broadcast to every 32-bit lane
   int32_t bits;
@@ -397,7 +384,8 @@ void pv_t(const uint16_t* vt, int64_t padded, int64_t j0, float* o_extra) {
   }
 }
 
-// Tiles 0-3 (O^T chunks) to and from `o` ([chunk][16][16] float32).
+// Tiles 0-3 (O^T chunks) to and from `o` ([chunk][16][16] float32). Two functions, not one: the tile
+// intrinsics take their tile numbers as literals.
 template <int NC>
 void store_o(float* o) {
   _tile_stored(0, o, 64);
@@ -594,7 +582,6 @@ struct DirectScratch {
   std::vector<uint16_t> qt, rows;  // Q^T; a copied run of 16 keys
 };
 
-constexpr int kMaxDirectGroup = 16;  // query heads per K/V head that fit the tiles' 16 columns
 
 template <int D, int R>
 void pv_direct(const Batch& b, const int64_t* index, int64_t k_len, int64_t g, const float* pt,
