@@ -179,6 +179,7 @@ def _clear_caches() -> None:
     kernels.attention_kernel.cache_clear()
     kernels.varlen_attention.cache_clear()
     kernels.elementwise.cache_clear()
+    kernels.token_mask.cache_clear()
 
 
 def test_no_compiler_no_kernel(monkeypatch, caplog):

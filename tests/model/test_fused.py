@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
-from plaserve.model import fused, kernels
+from plaserve.model import fused
 from plaserve.model.fused import FusedKernels, compiled_min_tokens
 
 needs_compiler = pytest.mark.skipif(
     compiled_min_tokens(1) is None, reason="no C++ compiler for inductor"
 )
 needs_native = pytest.mark.skipif(
-    kernels.elementwise() is None, reason="the C++ elementwise kernels are not built here"
+    fused.native_kernels() is None, reason="the C++ elementwise kernels are not built here"
 )
 
 

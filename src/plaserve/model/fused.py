@@ -20,6 +20,7 @@ rounding for all three.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -95,7 +96,7 @@ class FusedKernels:
         """The C++ kernels, where they apply to a step whose first operand is ``first``."""
         if not self.native or first.dtype != torch.bfloat16 or first.device.type != "cpu":
             return None
-        return elementwise()
+        return native_kernels()
 
     def _run(self, pure: Callable, eager: Callable, *args: object) -> object:
         first = args[0]
@@ -174,3 +175,36 @@ def compiled_min_tokens(requested: int | None) -> int | None:
         log.info("no C++ compiler found: the elementwise kernels run eagerly")
         return None
     return requested
+
+
+@functools.cache
+def native_kernels() -> object | None:
+    """The C++ forms of this module's functions (:func:`plaserve.model.kernels.elementwise`), once a
+    process checked to round as the pure functions above do (one bfloat16 step apart at most, where
+    float32 sums run in another order); None where they are not built or disagree."""
+    ops = elementwise()
+    if ops is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 5, 80, generator=gen).bfloat16()
+    weight = torch.rand(80, generator=gen).bfloat16()
+    qk = torch.randn(5, 3, 16, generator=gen).bfloat16()
+    cos, sin = torch.randn(2, 5, 1, 8, generator=gen)
+    gate_up = (4 * torch.randn(5, 48, generator=gen)).bfloat16()
+    with torch.inference_mode():
+        total = x.clone()
+        normed = ops.add_rms_norm(total, residual, weight, 1e-6)  # total becomes x + residual
+        rotated = qk.clone()
+        ops.rotary(rotated, cos, sin)
+        want_normed, want_total = _add_rms_norm(x, residual, weight, 1e-6)
+        pairs = [
+            (normed, want_normed),
+            (total, want_total),
+            (rotated, _rotary(qk, cos, sin)),
+            (ops.silu_mul(gate_up), _silu_mul(gate_up)),
+        ]
+    if not all(torch.allclose(a.float(), b.float(), rtol=1 / 128, atol=1e-2) for a, b in pairs):
+        log.warning("CPU elementwise kernels: disagree with the torch forms here; not used")
+        return None
+    log.info("CPU elementwise kernels: used")
+    return ops

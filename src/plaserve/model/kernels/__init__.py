@@ -4,7 +4,8 @@
   with AVX512-BF16, its products on AMX tiles where the CPU has them; see that file for the
   algorithm), or None where it cannot or should not run.
 * ``elementwise()``: the decoder layer's add + RMSNorm, rotary embedding and SwiGLU of
-  ``elementwise.cpp`` in bfloat16 (CPUs with AVX512-BF16), or None.
+  ``elementwise.cpp`` in bfloat16 (CPUs with AVX512-BF16), or None; ``model/fused.py`` checks them
+  against its torch forms.
 * ``token_mask()``: structured outputs' token bitmasks applied to float32 logits in place
   (``token_mask.cpp``), or None.
 
@@ -12,7 +13,8 @@ Each source is built with the C++ compiler against the installed torch's headers
 libgomp (so the kernels run on torch's own OpenMP threads) into ``$PLASERVE_CACHE`` (default
 ``~/.cache/plaserve``) ``/kernels``, named by a hash of the source, the flags and the torch version:
 later processes load it in milliseconds. Before a library is used, once a process, it is checked
-against torch's forms on small inputs; the attention kernel is also timed against SDPA on a mixed
+against torch's forms on small inputs (the elementwise kernels by ``model/fused.py``, whose forms they
+are); the attention kernel is also timed against SDPA on a mixed
 batch and used only if it is faster. No compiler, a CPU without AVX512-BF16, a failed build or
 check: one log line, and the torch forms stay. ``PLASERVE_NATIVE_KERNELS=0`` turns them all off.
 """
@@ -225,37 +227,12 @@ def varlen_attention() -> VarlenAttention | None:
 
 @functools.cache
 def elementwise() -> object | None:
-    """The ``torch.ops.plaserve_elementwise`` namespace (``add_rms_norm``, ``rotary``,
-    ``silu_mul``) where it is built and agrees with the torch forms here, else None."""
+    """The ``torch.ops.plaserve_elementwise`` namespace (``add_rms_norm``, ``rotary``, ``silu_mul``)
+    where it is built, else None. :func:`plaserve.model.fused.native_kernels` checks it against the
+    torch forms before the model uses it."""
     if not _loaded("elementwise.cpp", "CPU elementwise kernels"):
         return None
-    ops = torch.ops.plaserve_elementwise
-    from plaserve.model import fused  # the torch forms; fused imports this module at its top
-
-    gen = torch.Generator().manual_seed(0)
-    x, residual = torch.randn(2, 5, 80, generator=gen).bfloat16()
-    weight = torch.rand(80, generator=gen).bfloat16()
-    qk = torch.randn(5, 3, 16, generator=gen).bfloat16()
-    cos, sin = torch.randn(2, 5, 1, 8, generator=gen)
-    gate_up = (4 * torch.randn(5, 48, generator=gen)).bfloat16()
-    with torch.inference_mode():
-        total = x.clone()
-        normed = ops.add_rms_norm(total, residual, weight, 1e-6)  # total becomes x + residual
-        rotated = qk.clone()
-        ops.rotary(rotated, cos, sin)
-        want_normed, want_total = fused._add_rms_norm(x, residual, weight, 1e-6)
-        pairs = [
-            (normed, want_normed),
-            (total, want_total),
-            (rotated, fused._rotary(qk, cos, sin)),
-            (ops.silu_mul(gate_up), fused._silu_mul(gate_up)),
-        ]
-    # one bfloat16 rounding step (2^-8 relative) apart at most
-    if not all(torch.allclose(a.float(), b.float(), rtol=1 / 128, atol=1e-2) for a, b in pairs):
-        log.warning("CPU elementwise kernels: disagree with torch's forms here; not used")
-        return None
-    log.info("CPU elementwise kernels: used")
-    return ops
+    return torch.ops.plaserve_elementwise
 
 
 @functools.cache
