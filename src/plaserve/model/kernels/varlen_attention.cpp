@@ -736,8 +736,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       total += padded_keys(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
   // Uninitialised: pack_kv writes every element, padding included. Kept by the calling thread from
-  // call to call: freshly allocated, megabytes of it would page-fault in at every layer.
-  thread_local std::vector<uint16_t> packed;
+  // call to call (freshly allocated, megabytes of it would page-fault in at every layer), up to
+  // kKeptPacked elements; a larger batch (chunks after very long prefixes) gets a buffer of its own.
+  constexpr size_t kKeptPacked = size_t{64} << 20;  // 128 MiB of bfloat16
+  thread_local std::vector<uint16_t> kept;
+  std::vector<uint16_t> once;
+  std::vector<uint16_t>& packed = static_cast<size_t>(2 * total) <= kKeptPacked ? kept : once;
   if (packed.size() < static_cast<size_t>(2 * total)) packed.resize(2 * total);
   b.kp = packed.data();
   b.vp = packed.data() + total;
