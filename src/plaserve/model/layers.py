@@ -157,9 +157,7 @@ class Projection:
     # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
     PACK_ROWS_HINT = 16
     # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower. In
-    # half precision the packed one is still faster at 300-512 rows (Qwen2.5-0.5B's shapes: 300-token
-    # prefill 184 -> 154 ms; the embedded model's at 512: 31 -> 28 ms), level at 600 and slower from
-    # 768 (docs/BENCHMARKS.md).
+    # half precision the packed one still wins up to 512 rows (docs/BENCHMARKS.md, "Native CPU kernels").
     PACKED_MAX_ROWS = 256
     PACKED_MAX_ROWS_HALF = 512
 

@@ -237,9 +237,9 @@ def elementwise() -> object | None:
 
 @functools.cache
 def token_mask() -> Callable[..., None] | None:
-    """``apply_token_bitmask(logits, bitmask, rows)`` where it is built and agrees with the unpacked
-    masks of :mod:`plaserve.grammar.masks` here, else None: logits row ``rows[k]`` gets -inf wherever
-    bit ``j`` of ``bitmask[k]`` is clear."""
+    """``apply_token_bitmask(logits, bitmask, rows)`` where it is built and agrees here with the
+    bitmask expanded bit by bit, else None: logits row ``rows[k]`` gets -inf wherever bit ``j`` of
+    ``bitmask[k]`` is clear."""
     if not _loaded("token_mask.cpp", "CPU token-mask kernel"):
         return None
     op = torch.ops.plaserve_sampling.apply_token_bitmask
