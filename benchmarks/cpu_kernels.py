@@ -16,7 +16,11 @@ where the CPU has both:
 Elementwise (``elementwise.cpp``): add + RMSNorm, rotary, SwiGLU at 1-2,048 tokens of the embedded
 model's widths, against the eager torch forms and (from 512 tokens, where plaserve compiled them) the
 ``torch.compile`` ones. Token masks (``token_mask.cpp``): 32 constrained rows of a 32,000-token
-vocabulary, the kernel from the bitmask against unpacking it with numpy and adding it.
+vocabulary, the kernel from the bitmask against unpacking it with numpy and adding it. Row-split
+matmuls (``matmul.cpp``): the four projections of 8 layers of the engine_vs_vllm ``small`` model
+(hidden 512, MLP 1,536, GQA 8/2) and of Qwen2.5-0.5B's shapes, each layer its own weights (so they are
+not all in cache, as in a forward pass), at 256-2,048 rows, by one oneDNN call and with the rows split
+between the threads; and the span ``row_split_span`` picks for each weight.
 
 Best of 7 each, on every torch thread.
 
@@ -35,6 +39,7 @@ import torch.nn.functional as F
 from plaserve.grammar.masks import additive_on_cpu
 from plaserve.model import fused, kernels
 from plaserve.model.attention import AttentionMetadata, attention
+from plaserve.model.layers import row_split_span
 
 
 def best_of(fn: Callable[[], object], reps: int = 7) -> float:
@@ -227,6 +232,43 @@ def token_masks() -> None:
     )
 
 
+# (hidden, [(in, out) of q|k|v, o, gate|up, down]) of the models engine_vs_vllm.py builds
+PROJECTIONS = {
+    "small": [(512, 768), (512, 512), (512, 3072), (1536, 512)],
+    "qwen05": [(896, 1152), (896, 896), (896, 9728), (4864, 896)],
+}
+
+
+def row_split() -> None:
+    op = kernels.row_split_mm()
+    if op is None:
+        print("\nthe row-split matmul is not built on this machine")
+        return
+    threads = torch.get_num_threads()
+    print("\n| model | rows | one call (ms, 8 layers) | rows split (ms) | one call / split |")
+    print("|---|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for model, shapes in PROJECTIONS.items():
+        weights = [
+            [torch.randn(k, n, generator=gen).bfloat16() for k, n in shapes] for _ in range(8)
+        ]
+        for rows in (256, 512, 560, 768, 1024, 1536, 2048):
+            xs = [torch.randn(rows, k, generator=gen).bfloat16() for k, _ in shapes]
+
+            def layers(split: bool) -> None:
+                for layer in weights:
+                    for x, w in zip(xs, layer):
+                        op(x, w, threads) if split else x @ w
+
+            one, two = best_of(lambda: layers(False), 5), best_of(lambda: layers(True), 5)
+            print(f"| {model} | {rows} | {one * 1e3:.2f} | {two * 1e3:.2f} | {one / two:.2f}x |")
+    print("\n| weight (in x out) | rows split in |\n|---|---|")
+    for shapes in PROJECTIONS.values():
+        for k, n in shapes:
+            lo, hi = row_split_span(k, n, torch.bfloat16, threads)
+            print(f"| {k} x {n} | {f'({lo}, {hi}]' if hi else 'never'} |")
+
+
 def main() -> int:
     op = kernels.attention_kernel()
     if op is None:
@@ -242,6 +284,7 @@ def main() -> int:
         use("AMX")
         elementwise()
         token_masks()
+        row_split()
     return 0
 
 

@@ -180,6 +180,7 @@ def _clear_caches() -> None:
     kernels.varlen_attention.cache_clear()
     kernels.elementwise.cache_clear()
     kernels.token_mask.cache_clear()
+    kernels.row_split_mm.cache_clear()
 
 
 def test_no_compiler_no_kernel(monkeypatch, caplog):
@@ -190,6 +191,7 @@ def test_no_compiler_no_kernel(monkeypatch, caplog):
         with caplog.at_level(logging.INFO, logger="plaserve.model.kernels"):
             assert kernels.varlen_attention() is None
             assert kernels.elementwise() is None
+            assert kernels.row_split_mm() is None
         assert "no C++ compiler" in caplog.text
         _clear_caches()
         monkeypatch.setattr(kernels, "cpu_bf16_support", lambda: None)

@@ -6,8 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from plaserve.model import layers
-from plaserve.model.layers import Projection, prepacked_pays
+from plaserve.model import kernels, layers
+from plaserve.model.layers import Projection, prepacked_pays, row_split_span
+
+SPLIT = kernels.row_split_mm()
+needs_split = pytest.mark.skipif(
+    SPLIT is None, reason="the row-split matmul is not built here (no AVX512-BF16 or no g++)"
+)
 
 
 @pytest.fixture(params=["probed", "packed", "plain"])
@@ -99,3 +104,92 @@ def test_prepacked_pays_in_half_precision_and_decides_float32_once():
     first = layers.prepacked_pays(torch.float32)  # the probe, once a process
     assert layers.prepacked_pays(torch.float32) is first
     assert layers.prepacked_pays.cache_info().hits >= 1
+
+
+@needs_split
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 31, 32, 33, 100, 517])
+@pytest.mark.parametrize("parts", [1, 2, 3, 8])
+def test_row_split_matmul_equals_the_plain_one(dtype, rows, parts):
+    """Every row count, including fewer rows than parts and blocks cut mid-tile, on inference tensors
+    (the worker threads must run in inference mode too)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    w = torch.randn(96, 40, generator=gen).to(dtype)
+    with torch.inference_mode():
+        got = SPLIT(x, w, parts)
+    assert got.dtype == dtype and got.shape == (rows, 40)
+    torch.testing.assert_close(
+        got.float(),
+        x.float() @ w.float(),
+        atol=1e-4 if dtype == torch.float32 else 0.25,
+        rtol=1e-2,
+    )
+
+
+@needs_split
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_projection_splits_rows_in_its_span_and_multiplies_as_its_linears(bias, monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    linears = [nn.Linear(64, n, bias=bias).to(torch.bfloat16) for n in (48, 16)]
+    weight = torch.cat([lin.weight.detach().float() for lin in linears])
+    bias_ = torch.cat([lin.bias.detach().float() for lin in linears]) if bias else None
+    proj = Projection(linears)
+    # forced, whatever this CPU's probe found; above the packed copy's rows, which come first
+    proj.split_span = (proj.max_packed_rows + 8, proj.max_packed_rows + 100)
+    lo, hi = proj.split_span
+    calls = []
+
+    def counting(x, w, parts):
+        calls.append(x.shape[0])
+        return SPLIT(x, w, parts)
+
+    monkeypatch.setattr(kernels, "row_split_mm", lambda: counting)
+    for rows in (lo, lo + 1, hi, hi + 1):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        with torch.inference_mode():
+            got = proj(x)
+        want = nn.functional.linear(x.float(), weight, bias_)
+        torch.testing.assert_close(got.float(), want, atol=0.25, rtol=1e-2)
+    assert calls == [lo + 1, hi]  # (lo, hi]: the rest by the plain matmul
+
+
+def test_row_split_span_is_a_run_of_probe_points_or_never():
+    lo, hi = row_split_span(64, 48, torch.bfloat16, 2)  # whatever this CPU's timing finds
+    assert (lo, hi) == (0, 0) or (
+        hi in layers.SPLIT_PROBE_ROWS and (lo == 0 or lo in layers.SPLIT_PROBE_ROWS) and lo < hi
+    )
+    assert row_split_span(64, 48, torch.bfloat16, 1) == (0, 0)  # one thread: nothing to split
+
+
+@pytest.mark.parametrize(
+    "wins, span",
+    [
+        ((), (0, 0)),
+        ((384,), (0, 384)),
+        ((512, 768, 1024), (384, 1024)),
+        ((512, 1536, 2048), (384, 512)),  # the first run of wins only
+        ((2048,), (1536, 2048)),
+    ],
+)
+def test_row_split_span_follows_the_timings(wins, span, monkeypatch):
+    """On a fake clock every timed call takes 1 s, except a split one at a row count of ``wins``: 0.5 s."""
+    now = [0.0]
+
+    def perf_counter():
+        now[0] += 0.5  # read twice a call: 1 s a call
+        return now[0]
+
+    def split(x, w, parts):
+        if x.shape[0] in wins:
+            now[0] -= 0.5
+        return x @ w
+
+    monkeypatch.setattr(kernels, "row_split_mm", lambda: split)
+    monkeypatch.setattr(layers.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(layers, "SPLIT_PROBE_MAX_SECONDS", 10.0)
+    row_split_span.cache_clear()
+    try:
+        assert row_split_span(8, 4, torch.float32, 2) == span
+    finally:
+        row_split_span.cache_clear()

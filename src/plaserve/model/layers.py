@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from plaserve.model import kernels
 from plaserve.model.attention import AttentionMetadata, attention
 from plaserve.model.config import ModelConfig
 from plaserve.model.fused import FusedKernels, rms_norm
@@ -137,6 +138,61 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, Projection.PACK_ROWS_HINT)
 
 
+# Row counts at which a weight's plain matmul is timed against the row-split one (each stands for the
+# row counts above the one before it).
+SPLIT_PROBE_ROWS = (384, 512, 768, 1024, 1536, 2048)
+SPLIT_PROBE_MAX_SECONDS = 0.02
+
+
+@functools.cache
+def row_split_span(k: int, n: int, dtype: torch.dtype, threads: int) -> tuple[int, int]:
+    """Row counts ``(lo, hi]`` at which an ``[M, k] x [k, n]`` matmul in ``dtype`` is faster with its
+    rows split between the ``threads`` threads (:func:`plaserve.model.kernels.row_split_mm`) than as one
+    oneDNN call; ``(0, 0)``: never.
+
+    oneDNN's own split of a call between threads depends on the shape, and for some row counts it
+    leaves threads idle (docs/BENCHMARKS.md, "Rows split between threads"), which no static rule
+    predicts across CPUs and shapes. So each weight shape is timed once a process, both ways at each of
+    ``SPLIT_PROBE_ROWS`` (alternating, best of 4; up to the first point where one plain call takes
+    ``SPLIT_PROBE_MAX_SECONDS``), and the split is used over the first run of probe points where it
+    wins by 10 %: a probe point stands for the row counts above the point before it.
+    """
+    op = kernels.row_split_mm()
+    if op is None or threads < 2:
+        return 0, 0
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(k, n, generator=gen).to(dtype)
+    wins = []
+    with torch.inference_mode():
+        for rows in SPLIT_PROBE_ROWS:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            ways = {"plain": lambda: x @ w, "split": lambda: op(x, w, threads)}
+            best = dict.fromkeys(ways, math.inf)
+            for _ in range(5):  # the first round only warms up
+                for name, way in ways.items():
+                    start = time.perf_counter()
+                    way()
+                    best[name] = min(best[name], time.perf_counter() - start)
+            wins.append(best["split"] < 0.9 * best["plain"])
+            if best["plain"] > SPLIT_PROBE_MAX_SECONDS:
+                break  # a multiply this large keeps the threads busy: the larger ones are not timed
+    if not any(wins):
+        return 0, 0
+    first = wins.index(True)
+    last = first + (wins[first:] + [False]).index(False) - 1
+    lo = SPLIT_PROBE_ROWS[first - 1] if first else 0
+    log.debug(
+        "%s [M, %d] x [%d, %d]: rows split between threads for %d < M <= %d",
+        dtype,
+        k,
+        k,
+        n,
+        lo,
+        SPLIT_PROBE_ROWS[last],
+    )
+    return lo, SPLIT_PROBE_ROWS[last]
+
+
 class Projection:
     """One or more ``nn.Linear`` layers that read the same input, run as a single matmul (one wide GEMM
     is faster than several narrow ones); their parameters become views of the fused weight. Build it
@@ -147,8 +203,9 @@ class Projection:
     hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 wherever
     oneDNN can pack them, float32 where a probe finds it faster on this CPU) steps of up to
     ``max_packed_rows`` rows multiply by a second copy, prepacked in oneDNN's blocked layout
-    (``mkldnn._linear_pointwise``; these weights then take twice their size). Elsewhere the weight
-    stays as ``nn.Linear`` stores it, through ``F.linear``.
+    (``mkldnn._linear_pointwise``; these weights then take twice their size). Larger steps whose row
+    count lies in :func:`row_split_span` multiply with their rows split between the threads.
+    Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added.
@@ -182,6 +239,12 @@ class Projection:
             )
             if self.transposed:
                 weight = weight.t().contiguous()
+            # (0, 0): never. A shared (tied) head multiplies only the rows that sample: few.
+            self.split_span = (
+                row_split_span(*weight.shape, weight.dtype, torch.get_num_threads())
+                if self.transposed
+                else (0, 0)
+            )
             start = 0
             # A shared weight keeps its layout: no linear's weight to re-point at the fused one.
             for lin in [] if shared else linears:
@@ -201,7 +264,11 @@ class Projection:
             return _packed_linear(x, self.packed, self.bias)
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
-        out = x @ self.weight
+        lo, hi = self.split_span
+        if lo < x.shape[0] <= hi and x.dim() == 2:
+            out = kernels.row_split_mm()(x, self.weight, torch.get_num_threads())
+        else:
+            out = x @ self.weight
         return out if self.bias is None else out.add_(self.bias)
 
 

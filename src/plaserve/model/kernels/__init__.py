@@ -8,6 +8,8 @@
   against its torch forms.
 * ``token_mask()``: structured outputs' token bitmasks applied to float32 logits in place
   (``token_mask.cpp``), or None.
+* ``row_split_mm()``: a matmul with its rows split between the threads, one single-threaded oneDNN
+  call each (``matmul.cpp``), or None; ``model/layers.py`` times it against the plain matmul.
 
 Each source is built with the C++ compiler against the installed torch's headers and its bundled
 libgomp (so the kernels run on torch's own OpenMP threads) into ``$PLASERVE_CACHE`` (default
@@ -257,4 +259,20 @@ def token_mask() -> Callable[..., None] | None:
     if not torch.equal(got, want):
         log.warning("CPU token-mask kernel: disagrees with the unpacked masks here; not used")
         return None
+    return op
+
+
+@functools.cache
+def row_split_mm() -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None:
+    """``row_split_mm(x, w, parts)``, ``x @ w`` with the rows of ``x`` in ``parts`` blocks of whole
+    32-row tiles, one thread each, where it is built and agrees here with ``x @ w``, else None."""
+    if not _loaded("matmul.cpp", "CPU row-split matmul"):
+        return None
+    op = torch.ops.plaserve_matmul.row_split_mm
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(100, 48, generator=gen), torch.randn(48, 40, generator=gen)
+    with torch.inference_mode():
+        if not all(torch.allclose(op(x, w, parts), x @ w, atol=1e-4) for parts in (1, 2, 3)):
+            log.warning("CPU row-split matmul: disagrees with torch.mm here; not used")
+            return None
     return op
