@@ -6,6 +6,7 @@ the simulator) start without loading torch.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import os
 import sys
@@ -41,6 +42,32 @@ OPENMP_SPIN_COUNT_SET = "torch" not in sys.modules and not any(
 )
 if OPENMP_SPIN_COUNT_SET:
     os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
+
+
+# glibc's malloc gives each thread that allocates an arena of its own (up to 8 per core), and trims a
+# thread arena's heaps as soon as their top is free, so a large tensor freed and allocated again on a
+# thread other than the main one is fresh memory each time: page faults, zeroed pages. The server's
+# engine steps on a thread of its own, and there a Qwen2.5-0.5B prefill of 2,048 tokens took 157,000
+# page faults (600 MB) and 1.1-1.2 s, against none and 0.85-0.88 s with one arena for the process
+# (docs/BENCHMARKS.md, "One malloc arena"). So plaserve asks for one arena, before torch or any thread
+# allocates much; the user's ``MALLOC_ARENA_MAX`` stands. Python's small objects do not go through it.
+MALLOC_ARENA_MAX = 1
+_M_ARENA_MAX = -8  # mallopt's parameter number (glibc's malloc.h)
+
+
+def _limit_malloc_arenas() -> bool:
+    """Ask glibc for at most ``MALLOC_ARENA_MAX`` malloc arenas; False where it is not glibc (or the user
+    set the limit)."""
+    if sys.platform != "linux" or os.environ.get("MALLOC_ARENA_MAX"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.gnu_get_libc_version and libc.mallopt(_M_ARENA_MAX, MALLOC_ARENA_MAX))
+    except (OSError, AttributeError):  # not glibc: musl has neither
+        return False
+
+
+MALLOC_ARENAS_LIMITED = _limit_malloc_arenas()
 
 
 def __getattr__(name: str) -> Any:
