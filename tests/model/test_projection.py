@@ -152,6 +152,8 @@ def test_a_projection_splits_rows_in_its_span_and_multiplies_as_its_linears(bias
         want = nn.functional.linear(x.float(), weight, bias_)
         torch.testing.assert_close(got.float(), want, atol=0.25, rtol=1e-2)
     assert calls == [lo + 1, hi]  # (lo, hi]: the rest by the plain matmul
+    # an LM head asks for no timing and never splits
+    assert Projection([nn.Linear(64, 48).to(torch.bfloat16)], split_rows=False).split_span == (0, 0)
 
 
 def test_row_split_span_is_a_run_of_probe_points_or_never():

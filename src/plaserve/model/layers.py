@@ -208,7 +208,8 @@ class Projection:
     Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
-    table): its weight keeps its layout, and only the packed copy is added.
+    table): its weight keeps its layout, and only the packed copy is added. ``split_rows``: whether to
+    time the row split for this weight at all (an LM head multiplies only the rows that sample: few).
     """
 
     # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
@@ -218,7 +219,9 @@ class Projection:
     PACKED_MAX_ROWS = 256
     PACKED_MAX_ROWS_HALF = 512
 
-    def __init__(self, linears: list[nn.Linear], shared: bool = False) -> None:
+    def __init__(
+        self, linears: list[nn.Linear], shared: bool = False, split_rows: bool = True
+    ) -> None:
         assert not shared or len(linears) == 1
         with torch.no_grad():
             if shared:
@@ -239,10 +242,9 @@ class Projection:
             )
             if self.transposed:
                 weight = weight.t().contiguous()
-            # (0, 0): never. A shared (tied) head multiplies only the rows that sample: few.
-            self.split_span = (
+            self.split_span = (  # (0, 0): never
                 row_split_span(*weight.shape, weight.dtype, torch.get_num_threads())
-                if self.transposed
+                if self.transposed and split_rows
                 else (0, 0)
             )
             start = 0

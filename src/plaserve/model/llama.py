@@ -47,7 +47,9 @@ class LlamaForCausalLM(nn.Module):
         # A tied head keeps the embedding table's layout and gains a packed copy for decode steps: by the
         # plain layout a decode batch's logits cost up to twice as much (152k x 896: 27 against 14 ms
         # for 16 rows; it is a 272 MB copy for Qwen2.5-0.5B).
-        self.head = Projection([self.lm_head], shared=self.config.tie_word_embeddings)
+        self.head = Projection(
+            [self.lm_head], shared=self.config.tie_word_embeddings, split_rows=False
+        )
 
     def compile_kernels(self, min_tokens: int | None) -> None:
         """Run the elementwise work of steps of at least ``min_tokens`` tokens compiled (None: all
