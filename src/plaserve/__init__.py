@@ -44,13 +44,13 @@ if OPENMP_SPIN_COUNT_SET:
     os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
 
 
-# glibc's malloc gives each thread that allocates an arena of its own (up to 8 per core), and trims a
-# thread arena's heaps as soon as their top is free, so a large tensor freed and allocated again on a
-# thread other than the main one is fresh memory each time: page faults, zeroed pages. The server's
-# engine steps on a thread of its own, and there a Qwen2.5-0.5B prefill of 2,048 tokens took 157,000
-# page faults (600 MB) and 1.1-1.2 s, against none and 0.85-0.88 s with one arena for the process
-# (docs/BENCHMARKS.md, "One malloc arena"). So plaserve asks for one arena, before torch or any thread
-# allocates much; the user's ``MALLOC_ARENA_MAX`` stands. Python's small objects do not go through it.
+# glibc's malloc gives each thread that allocates an arena of its own (up to 8 per core), and a thread
+# arena hands its freed heap back to the kernel, so a large tensor freed and allocated again on a
+# thread other than the main one is fresh memory each time: page faults and zeroed pages in every
+# layer. The server's engine steps on a thread of its own, where a 0.5 B model's long prefills paid a
+# quarter of their time for it (docs/BENCHMARKS.md, "One malloc arena"). So plaserve asks for one
+# arena, before torch or any thread allocates much; the user's ``MALLOC_ARENA_MAX`` stands. Python's
+# small objects do not go through malloc.
 MALLOC_ARENA_MAX = 1
 _M_ARENA_MAX = -8  # mallopt's parameter number (glibc's malloc.h)
 

@@ -141,6 +141,8 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
 # Row counts at which a weight's plain matmul is timed against the row-split one (each stands for the
 # row counts above the one before it).
 SPLIT_PROBE_ROWS = (384, 512, 768, 1024, 1536, 2048)
+# Multiplies that take longer keep the threads busy by themselves; timing larger ones only costs
+# start-up time (an untimed row count takes the plain matmul).
 SPLIT_PROBE_MAX_SECONDS = 0.02
 
 
