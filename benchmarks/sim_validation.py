@@ -62,7 +62,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from plaserve.config import EngineConfig, SchedulerConfig  # noqa: E402
-from plaserve.cost import CostModel, OnlineCostModel  # noqa: E402
+from plaserve.cost import CostModel, OnlineCostModel, chunk_size_for  # noqa: E402
 from plaserve.engine.engine import LLMEngine, batch_work  # noqa: E402
 from plaserve.engine.runner import ModelRunner  # noqa: E402
 from plaserve.model.loader import load_model, resolve_device, resolve_dtype  # noqa: E402
@@ -95,7 +95,7 @@ def fit_profile(loaded, threads: int, path: str) -> CostModel:
         cost,
         s.short_threshold,
         s.max_short_batch,
-        s.long_chunk_size,
+        s.long_chunk_size or chunk_size_for(cost, s.short_threshold, s.max_num_batched_tokens),
         s.w_min,
         s.w_max,
         fingerprint=fingerprint(engine.model_config, engine.dtype, engine.device),

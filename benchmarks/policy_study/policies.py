@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from plaserve.config import EngineConfig, SchedulerConfig
-from plaserve.cost import CostModel
+from plaserve.cost import CostModel, chunk_size_for
 from plaserve.engine.engine import LLMEngine
 from plaserve.model.loader import load_model, resolve_device, resolve_dtype
 from plaserve.plotting import pyplot
@@ -253,7 +253,10 @@ def starvation_run(loaded, config: EngineConfig, cost: CostModel, seconds: float
     long_at = seconds * 0.25
     arrivals = sorted(stream + [TraceRequest(long_at, long_len, 1)], key=lambda r: r.arrival)
     k = config.scheduler.max_consecutive_short
-    chunks = -(-long_len // config.scheduler.long_chunk_size)
+    chunk = config.scheduler.long_chunk_size or chunk_size_for(
+        cost, config.scheduler.short_threshold, config.scheduler.max_num_batched_tokens
+    )
+    chunks = -(-long_len // chunk)
     lines = [
         f"Starvation check: {len(stream)} shorts of {short_len} tokens at {rate:.0f}/s for {seconds:.0f} s "
         f"(1.3x the predicted short capacity); one {long_len}-token prompt at t={long_at:.1f} s.",

@@ -19,7 +19,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests holding KV blocks at once
     max_num_batched_tokens: int = 2048  # fcfs/spf: tokens per step; pla: cap on one short batch
     short_threshold: int = 512  # fewer uncached prompt tokens than this: short
-    long_chunk_size: int = 512  # pla: tokens per long-prefill chunk
+    long_chunk_size: int | None = (
+        None  # pla: tokens per long-prefill chunk (None: from the cost model)
+    )
     max_short_batch: int = 16  # pla: deepest static batch size
     w_min: float = 0.001  # pla: batch window bounds
     w_max: float = 0.02

@@ -63,6 +63,21 @@ class CostModel:
         return cls(g1=linear / rate, g2=pair / rate, source="flops")
 
 
+# The most of a chunk's time its step's fixed cost (the cost model's ``c0``) may take.
+CHUNK_OVERHEAD = 0.05
+
+
+def chunk_size_for(cost: CostModel, short_threshold: int, max_tokens: int) -> int:
+    """The smallest power of two from the short threshold up whose ``c0`` is under
+    ``CHUNK_OVERHEAD`` of its predicted time, at most ``max_tokens``: smaller chunks give a waiting
+    short request a shorter wait, but each chunk pays ``c0`` again. A cost model without a per-step
+    cost (``c0`` = 0, as the FLOP-count model at start-up) gives the short threshold."""
+    chunk = short_threshold
+    while chunk < max_tokens and cost.c0 > CHUNK_OVERHEAD * cost.prefill_time(chunk):
+        chunk *= 2
+    return min(chunk, max_tokens)
+
+
 def measure_peak_flops(
     device: "torch.device", dtype: "torch.dtype", size: int = 1024, seconds: float = 0.2
 ) -> float:

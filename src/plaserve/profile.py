@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from plaserve.cost import CostModel
+from plaserve.cost import CostModel, chunk_size_for
 from plaserve.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 PROFILE_VERSION = 1
 QUADRATIC_SHARE = 0.2
 BATCH_GAIN = 0.05
-CHUNK_OVERHEAD = 0.05
 
 
 def fingerprint(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
@@ -146,14 +145,11 @@ def choose_max_short_batch(batch_times: dict[int, float], gain: float = BATCH_GA
     return best
 
 
-def choose_long_chunk_size(
-    cost: CostModel, short_threshold: int, overhead: float = CHUNK_OVERHEAD, hi: int = 8192
-) -> int:
-    """Smallest power of two >= the short threshold whose ``c0`` is under ``overhead`` of its time."""
-    chunk = short_threshold
-    while chunk < hi and cost.c0 > overhead * cost.prefill_time(chunk):
-        chunk *= 2
-    return chunk
+def choose_long_chunk_size(cost: CostModel, short_threshold: int, hi: int = 8192) -> int:
+    """Smallest power of two >= the short threshold whose ``c0`` is under ``CHUNK_OVERHEAD`` of its
+    time, at most ``hi``: the rule pla applies to its own cost model where no chunk size is set
+    (:func:`plaserve.cost.chunk_size_for`)."""
+    return chunk_size_for(cost, short_threshold, hi)
 
 
 def choose_window(cost: CostModel, full_batch_time: float) -> tuple[float, float]:

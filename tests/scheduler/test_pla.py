@@ -482,3 +482,22 @@ def test_a_short_arriving_during_a_whole_long_prefill_goes_next(pad):
         assert r.metrics.arrival_time < whole_end
         assert steps_between(runner, readiness[r], dispatch_time(runner, r), "long") <= 1
         assert dispatch_time(runner, r) < second.metrics.prefill_chunks[-1][0]
+
+
+def test_the_chunk_size_follows_the_cost_model_unless_set():
+    """Unset, a long chunk is the smallest power of two from the short threshold whose step cost c0
+    is under 5 % of it, within the step budget, and follows the model as the engine refits it; set,
+    it stays."""
+    engine, _, _ = sim_engine(policy="pla", short_threshold=512)
+    sched = engine.scheduler
+    assert sched.longs.chunk_size == 512  # COST: c0 is 3.5 % of a 512-token chunk's time
+    costly = CostModel(
+        g1=1e-4, g2=2e-8, c0=20e-3
+    )  # 28 % of 512 tokens, 15 % of 1,024, 7.5 % of 2,048
+    sched.set_cost_model(costly)
+    assert sched.longs.chunk_size == 2048 == sched.max_num_batched_tokens  # 4,096 is over budget
+    sched.set_cost_model(CostModel(g1=1e-4, g2=2e-8, c0=0.0))  # no per-step cost: the threshold
+    assert sched.longs.chunk_size == 512
+    fixed, _, _ = sim_engine(policy="pla", short_threshold=512, long_chunk_size=768)
+    fixed.scheduler.set_cost_model(costly)
+    assert fixed.scheduler.longs.chunk_size == 768

@@ -12,6 +12,7 @@ The guarantees and the rules are in docs/ARCHITECTURE.md; what each rule changed
 
 from __future__ import annotations
 
+from plaserve.cost import CostModel, chunk_size_for
 from plaserve.request import Request, RequestStatus
 from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.busy import BusyMeter
@@ -32,7 +33,7 @@ class PlaScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         c = self.config
         self.shorts = ShortQueue(c.short_threshold, c.max_short_batch, c.w_min, c.w_max)
-        self.longs = LongQueue(c.long_chunk_size, self.max_num_batched_tokens, c.long_aging)
+        self.longs = LongQueue(self.chunk_size(), self.max_num_batched_tokens, c.long_aging)
         self.cadence = Cadence(c.max_consecutive_short, c.max_prefill_steps_between_decodes)
         self.busy = BusyMeter()
         if c.static_short_batches:
@@ -45,6 +46,21 @@ class PlaScheduler(Scheduler):
             self.composer = VarlenComposer(
                 self.shorts, self.max_num_batched_tokens, c.short_threshold
             )
+
+    def chunk_size(self) -> int:
+        """Tokens per long chunk: the configured size, or where none is set the smallest whose step cost
+        ``c0`` is a small share of its time under the current cost model
+        (:func:`~plaserve.cost.chunk_size_for`: the short threshold while the model
+        has no per-step cost, as the FLOP-count model at start-up; larger once a fitted or refitted
+        model finds small steps costly, as on bfloat16 CPUs, docs/POLICIES.md)."""
+        c = self.config
+        if c.long_chunk_size is not None:
+            return c.long_chunk_size
+        return chunk_size_for(self.cost, c.short_threshold, self.max_num_batched_tokens)
+
+    def set_cost_model(self, cost: CostModel) -> None:
+        super().set_cost_model(cost)
+        self.longs.chunk_size = self.chunk_size()
 
     # --- queue membership -------------------------------------------------------------------
     def add(self, req: Request) -> None:
