@@ -496,6 +496,7 @@ def test_the_chunk_size_follows_the_cost_model_unless_set():
     )  # 28 % of 512 tokens, 15 % of 1,024, 7.5 % of 2,048
     sched.set_cost_model(costly)
     assert sched.longs.chunk_size == 2048 == sched.max_num_batched_tokens  # 4,096 is over budget
+    assert engine.load_report()["long_chunk_size"] == 2048  # what /load shows
     sched.set_cost_model(CostModel(g1=1e-4, g2=2e-8, c0=0.0))  # no per-step cost: the threshold
     assert sched.longs.chunk_size == 512
     fixed, _, _ = sim_engine(policy="pla", short_threshold=512, long_chunk_size=768)

@@ -580,6 +580,8 @@ def test_load_report(server) -> None:
     assert {"used_blocks", "free_blocks", "utilization"} <= set(load["kv"])
     assert {"g1", "g2", "c0"} <= set(load["cost_model"])
     assert load["short_threshold"] == 512 and isinstance(load["policy"], str)
+    # pla's chunk in force (from its cost model: the FLOP count's gives the threshold until a refit)
+    assert load["long_chunk_size"] in (None, 512, 1024, 2048)
     # what --dtype auto chose
     assert load["dtype"] == httpx.get(f"{server.url}/server_info").json()["dtype"]
 

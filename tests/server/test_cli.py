@@ -40,6 +40,8 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
             "4",
             "--max-num-batched-tokens",
             "4096",
+            "--long-chunk-size",
+            "1024",
         ]
     )
     sched = engine_config_from_args(args).scheduler
@@ -49,12 +51,16 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
         sched.ttft_slo_floor,
         sched.ttft_slo_factor,
         sched.max_num_batched_tokens,
-    ) == (5.0, 3, 0.5, 4.0, 4096)
+        sched.long_chunk_size,
+    ) == (5.0, 3, 0.5, 4.0, 4096, 1024)
     defaults = engine_config_from_args(serve_args([])).scheduler
     assert defaults.late_yield == 2.0 and defaults.max_num_batched_tokens == 2048
+    assert defaults.long_chunk_size is None  # pla takes it from its cost model
 
 
-@pytest.mark.parametrize("flag", ["--late-yield", "--max-consecutive-short", "--ttft-slo-floor"])
+@pytest.mark.parametrize(
+    "flag", ["--late-yield", "--max-consecutive-short", "--ttft-slo-floor", "--long-chunk-size"]
+)
 def test_negative_scheduler_flags_fail_clearly(flag, capsys: pytest.CaptureFixture) -> None:
     assert main(["serve", flag, "-1", "--kv-cache-memory", "256MiB"]) == 2
     assert flag in capsys.readouterr().err

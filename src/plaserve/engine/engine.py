@@ -439,6 +439,7 @@ class LLMEngine:
             "cost_model": self.cost.as_dict(),
             "step_time_over_predicted": self.step_time.ratio,
             "short_threshold": self.config.scheduler.short_threshold,
+            "long_chunk_size": self.scheduler.long_chunk_size(),
             "policy": self.config.scheduler.policy,
             "dtype": str(self.dtype).removeprefix("torch."),
         }

@@ -82,6 +82,11 @@ class Scheduler:
         (CUDA graphs) the engine builds. None by default: every step runs varlen."""
         return []
 
+    def long_chunk_size(self) -> int | None:
+        """Prefill tokens per long chunk under the current cost model; None: the policy does not cut
+        long prompts into chunks of their own (fcfs and spf fill a token budget)."""
+        return None
+
     def set_cost_model(self, cost: CostModel) -> None:
         """Schedule by ``cost`` from the next decision on (the engine's online refit replaces it)."""
         self.cost = cost

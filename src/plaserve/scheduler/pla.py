@@ -33,7 +33,7 @@ class PlaScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         c = self.config
         self.shorts = ShortQueue(c.short_threshold, c.max_short_batch, c.w_min, c.w_max)
-        self.longs = LongQueue(self.chunk_size(), self.max_num_batched_tokens, c.long_aging)
+        self.longs = LongQueue(self.long_chunk_size(), self.max_num_batched_tokens, c.long_aging)
         self.cadence = Cadence(c.max_consecutive_short, c.max_prefill_steps_between_decodes)
         self.busy = BusyMeter()
         if c.static_short_batches:
@@ -47,7 +47,7 @@ class PlaScheduler(Scheduler):
                 self.shorts, self.max_num_batched_tokens, c.short_threshold
             )
 
-    def chunk_size(self) -> int:
+    def long_chunk_size(self) -> int:
         """Tokens per long chunk: the configured size, or where none is set the smallest whose step cost
         ``c0`` is a small share of its time under the current cost model
         (:func:`~plaserve.cost.chunk_size_for`: the short threshold while the model
@@ -60,7 +60,7 @@ class PlaScheduler(Scheduler):
 
     def set_cost_model(self, cost: CostModel) -> None:
         super().set_cost_model(cost)
-        self.longs.chunk_size = self.chunk_size()
+        self.longs.chunk_size = self.long_chunk_size()
 
     # --- queue membership -------------------------------------------------------------------
     def add(self, req: Request) -> None:

@@ -195,8 +195,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     sched = p.add_argument_group(
         "scheduling",
-        "the step policies' knobs (the length threshold, long chunk size "
-        "and batch window come from --profile)",
+        "the step policies' knobs (the length threshold and batch window come from --profile; "
+        "pla's long chunk size from its cost model unless set)",
     )
     for flag, type_, help_ in SCHEDULER_FLAGS:
         sched.add_argument(flag, type=type_, default=None, help=help_)
@@ -213,6 +213,11 @@ SCHEDULER_FLAGS: list[tuple[str, type, str]] = [
     ("--ttft-slo-factor", float, "TTFT SLO = max(floor, factor x predicted isolated prefill time)"),
     ("--ttft-slo-floor", float, "the TTFT SLO's floor, in seconds"),
     ("--max-consecutive-short", int, "pla: short batches in a row while a long prefill waits (K)"),
+    (
+        "--long-chunk-size",
+        int,
+        "pla: prefill tokens per long chunk (default: from the cost model, as --profile's)",
+    ),
     (
         "--late-yield",
         float,
