@@ -42,6 +42,13 @@ from plaserve.model.attention import AttentionMetadata, attention
 from plaserve.model.layers import row_split_span
 
 
+def built(op: object, what: str) -> bool:
+    """Whether ``op`` (a kernel loader's result) is there; says so where it is not."""
+    if op is None:
+        print(f"\n{what} not built on this machine")
+    return op is not None
+
+
 def best_of(fn: Callable[[], object], reps: int = 7) -> float:
     fn()
     fn()
@@ -172,8 +179,7 @@ def decode_rows() -> None:
 
 def elementwise() -> None:
     ops = kernels.elementwise()
-    if ops is None:
-        print("\nthe elementwise kernels are not built on this machine")
+    if not built(ops, "the elementwise kernels are"):
         return
     print("\n| tokens | kernel | C++ ms | eager ms | compiled ms | eager / C++ |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -209,8 +215,7 @@ def elementwise() -> None:
 
 def token_masks() -> None:
     op = kernels.token_mask()
-    if op is None:
-        print("\nthe token-mask kernel is not built on this machine")
+    if not built(op, "the token-mask kernel is"):
         return
     gen = torch.Generator().manual_seed(0)
     vocab, rows = 32000, 32
@@ -241,8 +246,7 @@ PROJECTIONS = {
 
 def row_split() -> None:
     op = kernels.row_split_mm()
-    if op is None:
-        print("\nthe row-split matmul is not built on this machine")
+    if not built(op, "the row-split matmul is"):
         return
     threads = torch.get_num_threads()
     print("\n| model | rows | one call (ms, 8 layers) | rows split (ms) | one call / split |")

@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -582,7 +583,6 @@ struct DirectScratch {
   std::vector<uint16_t> qt, rows;  // Q^T; a copied run of 16 keys
 };
 
-
 template <int D, int R>
 void pv_direct(const Batch& b, const int64_t* index, int64_t k_len, int64_t g, const float* pt,
                int r0, const float* inv_l, uint16_t* out) {
@@ -735,16 +735,25 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       to_pack.push_back(s * b.kv_heads + g);
       total += padded_keys(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
-  // Uninitialised: pack_kv writes every element, padding included. Kept by the calling thread from
-  // call to call (freshly allocated, megabytes of it would page-fault in at every layer), up to
-  // kKeptPacked elements; a larger batch (chunks after very long prefixes) gets a buffer of its own.
+  // Uninitialised (new T[n], not a vector's zero fill: pack_kv writes every element, padding
+  // included). Kept by the calling thread from call to call (freshly allocated, megabytes of it would
+  // page-fault in at every layer), up to kKeptPacked elements; a larger batch (chunks after very long
+  // prefixes) gets a buffer of its own.
   constexpr size_t kKeptPacked = size_t{64} << 20;  // 128 MiB of bfloat16
-  thread_local std::vector<uint16_t> kept;
-  std::vector<uint16_t> once;
-  std::vector<uint16_t>& packed = static_cast<size_t>(2 * total) <= kKeptPacked ? kept : once;
-  if (packed.size() < static_cast<size_t>(2 * total)) packed.resize(2 * total);
-  b.kp = packed.data();
-  b.vp = packed.data() + total;
+  thread_local std::unique_ptr<uint16_t[]> kept;
+  thread_local size_t kept_size = 0;
+  std::unique_ptr<uint16_t[]> once;
+  const auto need = static_cast<size_t>(2 * total);
+  uint16_t* packed;
+  if (need <= kKeptPacked) {
+    if (kept_size < need) kept.reset(new uint16_t[need]), kept_size = need;
+    packed = kept.get();
+  } else {
+    once.reset(new uint16_t[need]);
+    packed = once.get();
+  }
+  b.kp = packed;
+  b.vp = packed + total;
   at::parallel_for(0, static_cast<int64_t>(to_pack.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t i = to_pack[p], s = i / b.kv_heads, g = i % b.kv_heads;
