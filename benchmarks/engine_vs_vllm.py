@@ -82,6 +82,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -627,9 +628,24 @@ def run_interleaved(
             rounds[name][-1]["trace"] = trace
             rounds[name][-1]["loadavg_end"] = os.getloadavg()
     out = {name: merge_rounds(rs) for name, rs in rounds.items()}
+    for name in names:
+        if (settings := scheduler_settings(procs[name].url)) is not None:
+            out[name]["scheduler"] = settings
+            log(f"{name}: {settings}")
     if calibration is not None and calibrated_on is not None:
         out[calibrated_on]["calibration"] = calibration
     return out, calibrated_on
+
+
+def scheduler_settings(url: str) -> dict[str, Any] | None:
+    """What a plaserve server scheduled by at the end of the run (its ``/load``: the cost model as
+    refitted, the short threshold, pla's long chunk); None for a server without ``/load`` (vLLM)."""
+    try:
+        with urllib.request.urlopen(f"{url}/load", timeout=10) as reply:
+            load = json.load(reply)
+    except (OSError, ValueError):
+        return None
+    return {k: load.get(k) for k in ("cost_model", "short_threshold", "long_chunk_size")}
 
 
 def measure_peaks(sizes: Sizes, dtypes: list[str], into: dict[str, list[float]]) -> None:

@@ -95,7 +95,8 @@ def fit_profile(loaded, threads: int, path: str) -> CostModel:
         cost,
         s.short_threshold,
         s.max_short_batch,
-        s.long_chunk_size or chunk_size_for(cost, s.short_threshold, s.max_num_batched_tokens),
+        s.long_chunk_size
+        or chunk_size_for(cost, s.short_threshold, s.max_num_batched_tokens, s.slo.floor),
         s.w_min,
         s.w_max,
         fingerprint=fingerprint(engine.model_config, engine.dtype, engine.device),

@@ -39,9 +39,11 @@ def test_max_short_batch_stops_where_batching_stops_paying():
 
 def test_chunk_grows_until_the_call_overhead_is_small():
     cost = CostModel(g1=1e-4, g2=0.0, c0=0.01)  # chunk of c costs 0.01 + 1e-4*c
-    # 5 % overhead needs 1e-4*c >= 0.19 -> c >= 1900 -> 2048.
-    assert choose_long_chunk_size(cost, 256) == 2048
-    assert choose_long_chunk_size(CostModel(g1=1e-4, g2=0.0, c0=0.0), 512) == 512
+    # 5 % overhead needs 1e-4*c >= 0.19 -> c >= 1900 -> 2048 (0.21 s).
+    assert choose_long_chunk_size(cost, 256, max_seconds=0.25) == 2048
+    assert choose_long_chunk_size(CostModel(g1=1e-4, g2=0.0, c0=0.0), 512, 0.25) == 512
+    # ... but not past the SLO floor: with a 0.15 s floor the chunk stops at 1,024 (0.11 s).
+    assert choose_long_chunk_size(cost, 256, max_seconds=0.15) == 1024
 
 
 def test_window_bounds():

@@ -254,7 +254,10 @@ def starvation_run(loaded, config: EngineConfig, cost: CostModel, seconds: float
     arrivals = sorted(stream + [TraceRequest(long_at, long_len, 1)], key=lambda r: r.arrival)
     k = config.scheduler.max_consecutive_short
     chunk = config.scheduler.long_chunk_size or chunk_size_for(
-        cost, config.scheduler.short_threshold, config.scheduler.max_num_batched_tokens
+        cost,
+        config.scheduler.short_threshold,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.slo.floor,
     )
     chunks = -(-long_len // chunk)
     lines = [

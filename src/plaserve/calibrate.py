@@ -173,7 +173,7 @@ def calibrate(
         cost_model=cost,
         short_threshold=threshold,
         max_short_batch=max_batch,
-        long_chunk_size=choose_long_chunk_size(cost, threshold),
+        long_chunk_size=choose_long_chunk_size(cost, threshold, engine.config.scheduler.slo.floor),
         w_min=w_min,
         w_max=w_max,
         fingerprint=fingerprint(engine.model_config, engine.dtype, engine.device),

@@ -67,13 +67,22 @@ class CostModel:
 CHUNK_OVERHEAD = 0.05
 
 
-def chunk_size_for(cost: CostModel, short_threshold: int, max_tokens: int) -> int:
-    """The smallest power of two from the short threshold up whose ``c0`` is under
-    ``CHUNK_OVERHEAD`` of its predicted time, at most ``max_tokens``: smaller chunks give a waiting
-    short request a shorter wait, but each chunk pays ``c0`` again. A cost model without a per-step
-    cost (``c0`` = 0, as the FLOP-count model at start-up) gives the short threshold."""
+def chunk_size_for(
+    cost: CostModel, short_threshold: int, max_tokens: int, max_seconds: float
+) -> int:
+    """Tokens per long-prefill chunk: from the short threshold, doubled while the step's fixed cost
+    ``c0`` is over ``CHUNK_OVERHEAD`` of the chunk's predicted time and the doubled chunk is
+    predicted within ``max_seconds`` (the tightest TTFT SLO, its floor: a short request that arrives
+    as a chunk starts waits for all of it), at most ``max_tokens``. Smaller chunks let a short
+    request in sooner, and the decodes riding each chunk get tokens more often; each chunk pays
+    ``c0`` again. A model without a per-step cost (``c0`` = 0, as the FLOP-count model at start-up)
+    gives the short threshold."""
     chunk = short_threshold
-    while chunk < max_tokens and cost.c0 > CHUNK_OVERHEAD * cost.prefill_time(chunk):
+    while (
+        chunk < max_tokens
+        and cost.c0 > CHUNK_OVERHEAD * cost.prefill_time(chunk)
+        and cost.prefill_time(min(2 * chunk, max_tokens)) <= max_seconds
+    ):
         chunk *= 2
     return min(chunk, max_tokens)
 

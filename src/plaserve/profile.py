@@ -145,11 +145,13 @@ def choose_max_short_batch(batch_times: dict[int, float], gain: float = BATCH_GA
     return best
 
 
-def choose_long_chunk_size(cost: CostModel, short_threshold: int, hi: int = 8192) -> int:
-    """Smallest power of two >= the short threshold whose ``c0`` is under ``CHUNK_OVERHEAD`` of its
-    time, at most ``hi``: the rule pla applies to its own cost model where no chunk size is set
-    (:func:`plaserve.cost.chunk_size_for`)."""
-    return chunk_size_for(cost, short_threshold, hi)
+def choose_long_chunk_size(
+    cost: CostModel, short_threshold: int, max_seconds: float, hi: int = 8192
+) -> int:
+    """The long chunk pla would take under ``cost`` (:func:`plaserve.cost.chunk_size_for`): the
+    smallest power of two >= the short threshold whose ``c0`` is under ``CHUNK_OVERHEAD`` of its
+    time, none predicted past ``max_seconds`` (the TTFT SLO floor), at most ``hi``."""
+    return chunk_size_for(cost, short_threshold, hi, max_seconds)
 
 
 def choose_window(cost: CostModel, full_batch_time: float) -> tuple[float, float]:

@@ -486,17 +486,20 @@ def test_a_short_arriving_during_a_whole_long_prefill_goes_next(pad):
 
 def test_the_chunk_size_follows_the_cost_model_unless_set():
     """Unset, a long chunk is the smallest power of two from the short threshold whose step cost c0
-    is under 5 % of it, within the step budget, and follows the model as the engine refits it; set,
-    it stays."""
+    is under 5 % of it, within the step budget and none predicted past the TTFT SLO floor, and
+    follows the model as the engine refits it; set, it stays."""
     engine, _, _ = sim_engine(policy="pla", short_threshold=512)
     sched = engine.scheduler
     assert sched.longs.chunk_size == 512  # COST: c0 is 3.5 % of a 512-token chunk's time
     costly = CostModel(
-        g1=1e-4, g2=2e-8, c0=20e-3
-    )  # 28 % of 512 tokens, 15 % of 1,024, 7.5 % of 2,048
+        g1=5e-5, g2=2e-8, c0=10e-3
+    )  # 28 % of 512 tokens (36 ms), 15 % of 1,024 (71 ms), 7.5 % of 2,048 (0.13 s)
     sched.set_cost_model(costly)
     assert sched.longs.chunk_size == 2048 == sched.max_num_batched_tokens  # 4,096 is over budget
     assert engine.load_report()["long_chunk_size"] == 2048  # what /load shows
+    # Twice as slow a token: a 2,048-token chunk would take 0.26 s, past the 0.25 s SLO floor.
+    sched.set_cost_model(CostModel(g1=1e-4, g2=4e-8, c0=20e-3))
+    assert sched.longs.chunk_size == 1024
     sched.set_cost_model(CostModel(g1=1e-4, g2=2e-8, c0=0.0))  # no per-step cost: the threshold
     assert sched.longs.chunk_size == 512
     fixed, _, _ = sim_engine(policy="pla", short_threshold=512, long_chunk_size=768)

@@ -48,15 +48,17 @@ class PlaScheduler(Scheduler):
             )
 
     def long_chunk_size(self) -> int:
-        """Tokens per long chunk: the configured size, or where none is set the smallest whose step cost
-        ``c0`` is a small share of its time under the current cost model
-        (:func:`~plaserve.cost.chunk_size_for`: the short threshold while the model
-        has no per-step cost, as the FLOP-count model at start-up; larger once a fitted or refitted
-        model finds small steps costly, as on bfloat16 CPUs, docs/POLICIES.md)."""
+        """Tokens per long chunk: the configured size, or where none is set the one
+        :func:`~plaserve.cost.chunk_size_for` gives under the current cost model: the short threshold
+        while the model has no per-step cost (as the FLOP-count model at start-up), larger once a
+        fitted or refitted model finds small steps costly (as on bfloat16 CPUs), but never one
+        predicted to take longer than the TTFT SLO floor (docs/POLICIES.md)."""
         c = self.config
         if c.long_chunk_size is not None:
             return c.long_chunk_size
-        return chunk_size_for(self.cost, c.short_threshold, self.max_num_batched_tokens)
+        return chunk_size_for(
+            self.cost, c.short_threshold, self.max_num_batched_tokens, c.slo.floor
+        )
 
     def set_cost_model(self, cost: CostModel) -> None:
         super().set_cost_model(cost)

@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from plaserve.config import EngineConfig
+from plaserve.config import EngineConfig, SchedulerConfig
 from plaserve.cost import HARDWARE, MODELS, analytic_cost
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.profile import Profile, choose_long_chunk_size, choose_short_threshold, choose_window
@@ -165,7 +165,7 @@ def analytic_profile(
         cost_model=cost,
         short_threshold=threshold,
         max_short_batch=assumptions.max_short_batch,
-        long_chunk_size=choose_long_chunk_size(cost, threshold),
+        long_chunk_size=choose_long_chunk_size(cost, threshold, SchedulerConfig().slo.floor),
         w_min=w_min,
         w_max=w_max,
         fingerprint={"model": model, "device": HARDWARE[gpu].name, "dtype": "bfloat16"},
