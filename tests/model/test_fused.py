@@ -90,6 +90,22 @@ def test_native_equals_eager_in_bfloat16(tokens):
 
 
 @needs_native
+def test_native_silu_mul_at_the_extremes_is_torchs():
+    """SwiGLU's short-cut exponential and reciprocal (bfloat16 results need no more) keep torch's
+    values where 2^t overflows or the input is not finite: -0 far below 0, x far above, inf and NaN
+    as torch gives them."""
+    gate = torch.tensor(
+        [-3e38, -1e30, -100.0, -87.0, -20.0, -1.0, 0.0, 1.0, 20.0, 1e30, 3e38]
+        + [float("inf"), float("-inf"), float("nan")]
+    ).to(torch.bfloat16)
+    gate_up = torch.cat([gate, torch.ones_like(gate)])[None]
+    with torch.inference_mode():
+        native = FusedKernels(None).silu_mul(gate_up)
+    expected = torch.nn.functional.silu(gate.float()).to(torch.bfloat16)[None]
+    torch.testing.assert_close(native, expected, atol=0, rtol=2**-7, equal_nan=True)
+
+
+@needs_native
 def test_native_kernels_work_in_place_where_eager_does():
     """add_rms_norm leaves the sum in ``x`` and rotary rotates ``qk`` in place, through a strided view
     of the fused projection, as the eager forms do: callers rely on both."""

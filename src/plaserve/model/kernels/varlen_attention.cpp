@@ -53,6 +53,7 @@ constexpr int kBlockQ = 32;   // query tokens of a work item
 constexpr int kBlockK = 128;  // keys of an online-softmax step (a multiple of 32)
 constexpr int kMaxDirectGroup = 16;  // AMX decode rows: query heads per K/V head that fit 16 columns
 
+using plaserve::exp2_p;
 using plaserve::exp_ps;
 
 inline __m512bh pair(const uint16_t* p) {  // two bf16 values broadcast to every 32-bit lane
@@ -340,19 +341,6 @@ void pack_kv_amx(const Batch& b, const int64_t* index, int64_t k_len, int64_t he
       for (int i = 0; i < 32; ++i) dst[i] = rows[i] ? rows[i][d] : 0;
     }
   }
-}
-
-// 2^t for t <= ~8 (scores in base-2 units, less the running maximum): 2^n * p(f), n = round(t),
-// f = t - n in [-1/2, 1/2], p a degree-3 polynomial fitted for relative error (at most 8e-5: P is
-// rounded to bfloat16, 4e-3, anyway). Far below the maximum the result underflows to 0.
-inline __m512 exp2_p(__m512 t) {
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(5.50886838e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42604051e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93276242e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992894e-1f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // How far (base 2) a score may rise above the maximum P is taken against before O and l are rescaled:
