@@ -10,6 +10,8 @@
   (``token_mask.cpp``), or None.
 * ``row_split_mm()``: a matmul with its rows split between the threads, one single-threaded oneDNN
   call each (``matmul.cpp``), or None; ``model/layers.py`` times it against the plain matmul.
+* ``kv_writer()``: a step's new K and V rows into the paged cache in one call (``kv_write.cpp``), or
+  None.
 
 Each source is built with the C++ compiler against the installed torch's headers and its bundled
 libgomp (so the kernels run on torch's own OpenMP threads) into ``$PLASERVE_CACHE`` (default
@@ -275,4 +277,24 @@ def row_split_mm() -> Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] 
         if not all(torch.allclose(op(x, w, parts), x @ w, atol=1e-4) for parts in (1, 2, 3)):
             log.warning("CPU row-split matmul: disagrees with torch.mm here; not used")
             return None
+    return op
+
+
+@functools.cache
+def kv_writer() -> Callable[..., None] | None:
+    """``write_kv(k, v, k_cache, v_cache, slots)``: rows ``k[t]``, ``v[t]`` (``[T, Hk, D]``) to rows
+    ``slots[t]`` of the flat caches (``[S, Hk, D]``), as two ``index_copy_`` calls do, where it is
+    built and agrees with them here, else None."""
+    if not _loaded("kv_write.cpp", "CPU KV-cache writer"):
+        return None
+    op = torch.ops.plaserve_kv.write_kv
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 7, 2, 8, generator=gen)
+    slots = torch.tensor([5, 0, 9, 3, 11, 2, 7])
+    want = [torch.zeros(12, 2, 8).index_copy_(0, slots, x) for x in kv]
+    got = [torch.zeros(12, 2, 8) for _ in kv]
+    op(kv[0], kv[1], got[0], got[1], slots)
+    if not all(torch.equal(g, w) for g, w in zip(got, want)):
+        log.warning("CPU KV-cache writer: disagrees with index_copy_ here; not used")
+        return None
     return op
