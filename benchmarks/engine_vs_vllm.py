@@ -645,6 +645,8 @@ def scheduler_settings(url: str) -> dict[str, Any] | None:
             load = json.load(reply)
     except (OSError, ValueError):
         return None
+    if "cost_model" not in load:  # vLLM answers /load too, with its own fields
+        return None
     return {k: load.get(k) for k in ("cost_model", "short_threshold", "long_chunk_size")}
 
 
