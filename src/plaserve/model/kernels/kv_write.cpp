@@ -18,7 +18,9 @@
 namespace {
 
 // k, v [T, Hk, D] (each token's heads contiguous, any token stride) into k_cache, v_cache [S, Hk, D]
-// (contiguous, the flat cache) at rows slots[t] (int64, each in [0, S)).
+// (contiguous, the flat cache) at rows slots[t] (int64, each in [0, S)). Slots may repeat: a padded
+// batch sends every padding row to the null block, which no request reads unmasked; which of the
+// rows lands there is unspecified, as with index_copy_.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 3 &&
