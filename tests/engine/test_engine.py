@@ -309,11 +309,15 @@ def alone_bf16(qwen2_ckpt, qwen2_bf16_prompts):
     return outputs
 
 
-@pytest.mark.parametrize("variant", ["chunked fcfs", "chunked pla", "prefix cached", "padded pla"])
+@pytest.mark.parametrize(
+    "variant", ["chunked fcfs", "chunked pla", "prefix cached", "padded pla", "rows unpadded"]
+)
 def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(
     qwen2_ckpt, qwen2_bf16_prompts, alone_bf16, variant
 ):
-    """The bfloat16 counterparts of the float32 tests above, all prompts at once (batched decodes)."""
+    """The bfloat16 counterparts of the float32 tests above, all prompts at once (batched decodes).
+    On CPU every run here pads its steps' rows to a multiple of 32 (runner.ROW_GRANULE) but "rows
+    unpadded", which must give the same tokens."""
     kw: dict = {"dtype": "bfloat16"}
     if variant.startswith("chunked"):
         kw |= dict(
@@ -326,6 +330,9 @@ def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(
     elif variant == "padded pla":
         kw |= dict(policy="pla", pad_short_batches="always")
     engine = make_engine(qwen2_ckpt, **kw)
+    if variant == "rows unpadded":
+        assert engine.runner.row_granule == runner_module.ROW_GRANULE  # padded by default on CPU
+        engine.runner.row_granule = 1
     runs = 2 if variant == "prefix cached" else 1
     for _ in range(runs):  # the second run finds every prompt's blocks in the prefix cache
         reqs = run(engine, qwen2_bf16_prompts, BF16_GREEDY)

@@ -38,8 +38,29 @@ def _is_decode(item: BatchItem) -> bool:
     return item.num_tokens == 1 and item.request.num_computed_tokens > 0
 
 
-def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> PackedBatch:
-    """Lay out ``batch`` as varlen prefill items, then the padded bucket block, then decodes."""
+# On CPU in half precision the matmuls are oneDNN's, which builds (JIT-compiles) a kernel for every
+# new row count and weight shape: 2-9 ms a projection, so a step of a size not seen before cost 20-40
+# ms more than the same step again on the small model (40-140 ms steps; docs/BENCHMARKS.md). Serving
+# mixed prompts, most prefill steps have a new size. Steps of more than ROW_GRANULE_FROM rows are
+# therefore padded up to a multiple of ROW_GRANULE rows, so that sizes repeat; smaller steps (decode
+# batches, whose sizes recur) stay as they are.
+ROW_GRANULE = 32
+ROW_GRANULE_FROM = 64
+
+
+def padded_rows(rows: int, granule: int) -> int:
+    """``rows`` rounded up to a multiple of ``granule`` where it is over ``ROW_GRANULE_FROM`` (1: never)."""
+    if granule <= 1 or rows <= ROW_GRANULE_FROM:
+        return rows
+    return -(-rows // granule) * granule
+
+
+def pack(
+    batch: ScheduledBatch, block_size: int, device: torch.device, row_granule: int = 1
+) -> PackedBatch:
+    """Lay out ``batch`` as varlen prefill items, then the padded bucket block, then decodes.
+    ``row_granule`` > 1 (varlen batches only): a dummy prompt after the varlen items pads the step to
+    :func:`padded_rows` rows; its tokens write their K/V to the null block and nothing samples them."""
     items = list(enumerate(batch.items))
     decodes = [(i, it) for i, it in items if _is_decode(it)]
     rest = [(i, it) for i, it in items if not _is_decode(it)]
@@ -77,6 +98,14 @@ def pack(batch: ScheduledBatch, block_size: int, device: torch.device) -> Packed
             table = torch.tensor(it.request.block_table, dtype=torch.long, device=device)
         prefill.append(PrefillSeq(len(ids), it.num_tokens, it.request.num_computed_tokens, table))
         add(i, it)
+    if batch.bucket is None:
+        rows_in_step = len(ids) + len(decodes)
+        extra = padded_rows(rows_in_step, row_granule) - rows_in_step
+        if extra:
+            prefill.append(PrefillSeq(len(ids), extra, 0, None))
+            ids.extend([0] * extra)
+            pos.extend(range(extra))
+            slots.extend(NULL_BLOCK * block_size + j % block_size for j in range(extra))
     num_prefill = len(ids)
     for i, it in padded:
         assert it.request.num_computed_tokens == 0 and it.num_tokens <= batch.bucket
@@ -149,6 +178,11 @@ class ModelRunner:
         self.grid: GraphGrid | None = None
         self.grid_fallbacks = 0
         self.decode_grid: GraphGrid | None = None
+        dtype = next(model.parameters()).dtype
+        # varlen steps' rows padded to a multiple of this (pack's ROW_GRANULE note: oneDNN on CPU)
+        self.row_granule = (
+            ROW_GRANULE if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else 1
+        )
 
     def build_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
         """Create (and on CUDA capture) the static runners for ``shapes`` of ``(batch, bucket)``."""
@@ -210,7 +244,8 @@ class ModelRunner:
                 batch = dataclasses.replace(batch, bucket=None)
         if batch.kind == "short" and static is None and self.grid is not None:
             self.grid_fallbacks += 1
-        packed = pack(batch, self.block_size, self.device)
+        granule = self.row_granule if batch.bucket is None else 1
+        packed = pack(batch, self.block_size, self.device, granule)
         if static is not None:
             assert self.grid is not None
             self.grid.hits += 1
