@@ -33,6 +33,11 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
+def _null_slots(n: int, block_size: int) -> list[int]:
+    """Slots for ``n`` tokens whose K/V nobody reads: the null block's, in turn."""
+    return [NULL_BLOCK * block_size + j % block_size for j in range(n)]
+
+
 def _is_decode(item: BatchItem) -> bool:
     """Whether ``item`` is a decode: one new token after a computed context."""
     return item.num_tokens == 1 and item.request.num_computed_tokens > 0
@@ -87,7 +92,7 @@ def pack(
             extra = pad_to - it.num_tokens
             ids.extend([0] * extra)
             pos.extend([0] * extra)
-            slots.extend([NULL_BLOCK * block_size] * extra)
+            slots.extend(_null_slots(extra, block_size))
         if it.samples:
             rows.append(base + it.num_tokens - 1)
             row_items.append(i)
@@ -105,7 +110,7 @@ def pack(
             prefill.append(PrefillSeq(len(ids), extra, 0, None))
             ids.extend([0] * extra)
             pos.extend(range(extra))
-            slots.extend(NULL_BLOCK * block_size + j % block_size for j in range(extra))
+            slots.extend(_null_slots(extra, block_size))
     num_prefill = len(ids)
     for i, it in padded:
         assert it.request.num_computed_tokens == 0 and it.num_tokens <= batch.bucket
@@ -268,9 +273,8 @@ class ModelRunner:
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.long, device=self.device)
 
-        null = [NULL_BLOCK * self.block_size + i % self.block_size for i in range(num_tokens + 1)]
         meta = AttentionMetadata(
-            slot_mapping=t(null),
+            slot_mapping=t(_null_slots(num_tokens + 1, self.block_size)),
             prefill=[PrefillSeq(0, num_tokens, 0, None)],
             num_prefill_tokens=num_tokens,
             decode_block_tables=t([[NULL_BLOCK]]),

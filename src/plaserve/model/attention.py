@@ -168,9 +168,8 @@ def write_kv(
     """Store new keys/values ``[T, Hk, D]`` into the paged cache ``[blocks, block_size, Hk, D]``."""
     kc, vc = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     if kc.device.type == "cpu" and (writer := kv_writer()) is not None:
-        writer(
-            k, v, kc, vc, slot_mapping
-        )  # one call: two index_copy_ dispatches cost a decode step ~4 %
+        # one call: two index_copy_ dispatches cost a 16-row decode step ~4 %
+        writer(k, v, kc, vc, slot_mapping)
         return
     kc.index_copy_(0, slot_mapping, k)
     vc.index_copy_(0, slot_mapping, v)

@@ -27,7 +27,7 @@ inline __m512 exp_ps(__m512 x) {
 
 // 2^t, for results rounded to bfloat16 (whose rounding, 4e-3, dwarfs the error): 2^n * p(f),
 // n = round(t), f = t - n in [-1/2, 1/2], p a degree-3 polynomial fitted for relative error (at most
-// 8e-5). Far below 0 the result underflows to 0; above 128 it is +inf (callers clamp where that matters).
+// 8e-5). Far below 0 the result underflows to 0; from 128 up it is +inf (SwiGLU relies on that).
 inline __m512 exp2_p(__m512 t) {
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
