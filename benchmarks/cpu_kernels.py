@@ -16,7 +16,10 @@ where the CPU has both:
 Elementwise (``elementwise.cpp``): add + RMSNorm, rotary, SwiGLU at 1-2,048 tokens of the embedded
 model's widths, against the eager torch forms and (from 512 tokens, where plaserve compiled them) the
 ``torch.compile`` ones. Token masks (``token_mask.cpp``): 32 constrained rows of a 32,000-token
-vocabulary, the kernel from the bitmask against unpacking it with numpy and adding it. Row-split
+vocabulary, the kernel from the bitmask against unpacking it with numpy and adding it. Large
+magnitudes: attention at 2,048 tokens with queries scaled (scores spread over ~100) and SwiGLU with
+gates far above 0, against the same shapes at unit scale: the kernels' ``exp2_p`` results stay normal
+floats, where subnormal ones cost a microcode assist each (10-16x slower before it did). Row-split
 matmuls (``matmul.cpp``): the four projections of 8 layers of the engine_vs_vllm ``small`` model
 (hidden 512, MLP 1,536, GQA 8/2) and of Qwen2.5-0.5B's shapes, each layer its own weights (so they are
 not all in cache, as in a forward pass), at 256-2,048 rows, by one oneDNN call and with the rows split
@@ -32,6 +35,8 @@ from __future__ import annotations
 import functools
 import time
 from typing import Callable
+
+import plaserve  # noqa: F401  # isort: skip  (before torch: it sets OpenMP's spin count)
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +218,33 @@ def elementwise() -> None:
             print(f"| {n} | {name} | {a * 1e3:.3f} | {b * 1e3:.3f} | {c} | {b / a:.1f}x |")
 
 
+def magnitudes(op: Callable[..., None]) -> None:
+    """Inputs as real checkpoints have them (outlier activations): scores and gates whose 2^t falls
+    below the smallest normal float."""
+    gen = torch.Generator().manual_seed(0)
+    n = 2048
+    q = torch.randn(n, 8, 64, generator=gen)
+    k, v = torch.randn(2, n, 2, 64, generator=gen).bfloat16()
+    out, starts, index = torch.empty(n, 8, 64).bfloat16(), torch.tensor([0, n]), torch.arange(n)
+    gate_up = torch.randn(n, 3072, generator=gen)
+    print("\n| 2,048 tokens | unit scale ms | large ms | large / unit |\n|---|---:|---:|---:|")
+    for scale in (10.0, 30.0, 100.0):
+        unit, large = q.bfloat16(), (q * scale).bfloat16()
+        a = best_of(lambda: op(unit, k, v, out, starts, index, starts, 0.125))
+        b = best_of(lambda: op(large, k, v, out, starts, index, starts, 0.125))
+        print(f"| attention, queries x {scale:g} | {a * 1e3:.2f} | {b * 1e3:.2f} | {b / a:.2f}x |")
+    ops = kernels.elementwise()
+    if ops is None:
+        return
+    unit = gate_up.bfloat16()
+    for gate in (50.0, 100.0):
+        large = gate_up.clone()
+        large[:, :1536] = gate  # silu(x) = x / (1 + 2^(-x log2 e)): 2^t far below 2^-126
+        large = large.bfloat16()
+        a, b = best_of(lambda: ops.silu_mul(unit)), best_of(lambda: ops.silu_mul(large))
+        print(f"| SwiGLU, gates {gate:g} | {a * 1e3:.3f} | {b * 1e3:.3f} | {b / a:.2f}x |")
+
+
 def token_masks() -> None:
     op = kernels.token_mask()
     if not built(op, "the token-mask kernel is"):
@@ -286,6 +318,7 @@ def main() -> int:
         burst(op)
         decode_rows()
         use("AMX")
+        magnitudes(op)
         elementwise()
         token_masks()
         row_split()

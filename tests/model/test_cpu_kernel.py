@@ -71,6 +71,24 @@ def test_kernel_equals_sdpa(heads, kv_heads, dim, lens, isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("spread", [30.0, 300.0])
+def test_kernel_equals_sdpa_on_scores_far_apart(spread, isa):
+    """Scores hundreds apart, as outlier activations make them: most keys' probabilities fall below
+    the smallest normal float (the kernel holds them there rather than going subnormal, which is
+    slow), and the row maximum rises block after block (the lazy rescale)."""
+    gen = torch.Generator().manual_seed(1)
+    q_lens, k_lens = [129, 1, 40], [257, 300, 40]
+    q = (torch.randn(sum(q_lens), 8, 64, generator=gen) * spread).bfloat16()
+    kv = torch.randn(sum(k_lens), 4, 64, generator=gen).bfloat16()
+    k, v = kv[:, :2], kv[:, 2:]
+    got = _run(q, k, v, q_lens, k_lens, 0.125)
+    q_starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+    want = kernels.reference_attention(q, k, v, q_starts, k_starts, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+@needs_kernel
 def test_kernel_reads_keys_through_the_index(isa):
     """Keys gathered through ``k_index`` (cache slots in any order) equal the same keys in place."""
     gen = torch.Generator().manual_seed(1)

@@ -92,10 +92,12 @@ def test_native_equals_eager_in_bfloat16(tokens):
 @needs_native
 def test_native_silu_mul_at_the_extremes_is_torchs():
     """SwiGLU's short-cut exponential and reciprocal (bfloat16 results need no more) keep torch's
-    values where 2^t overflows or the input is not finite: -0 far below 0, x far above, inf and NaN
-    as torch gives them."""
+    values where 2^t overflows or the input is not finite: -0 far below 0, x far above (where 2^t
+    is held at the smallest normal float rather than going subnormal), inf and NaN as torch gives
+    them."""
     gate = torch.tensor(
-        [-3e38, -1e30, -100.0, -87.0, -20.0, -1.0, 0.0, 1.0, 20.0, 1e30, 3e38]
+        [-3e38, -1e30, -100.0, -87.0, -20.0, -1.0, 0.0, 1.0, 20.0, 86.0, 87.0, 88.0, 90.0, 100.0]
+        + [1e30, 3e38]
         + [float("inf"), float("-inf"), float("nan")]
     ).to(torch.bfloat16)
     gate_up = torch.cat([gate, torch.ones_like(gate)])[None]

@@ -491,7 +491,8 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
           __m512 e0 = exp2_p(t0), e1 = exp2_p(t1);
           if constexpr (kDiagonal) {
             const __mmask16 v0 = visible(2 * jp), v1 = visible(2 * jp + 1);
-            top = _mm512_mask_max_ps(_mm512_mask_max_ps(top, v0, top, t0), v1, top, t1);
+            top = _mm512_mask_max_ps(top, v0, top, t0);
+            top = _mm512_mask_max_ps(top, v1, top, t1);
             e0 = _mm512_maskz_mov_ps(v0, e0);
             e1 = _mm512_maskz_mov_ps(v1, e1);
           } else {
