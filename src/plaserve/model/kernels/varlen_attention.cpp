@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -149,8 +150,29 @@ struct Batch {
   float scale;
 };
 
+// The packed keys and values, page-aligned, so that every row of D keys or values starts on a cache
+// line. new[] aligns to 16 bytes only: a 128-byte row then spans three lines, and where the buffer
+// fell differed from process to process (one thread, 2,048 tokens: 8.4 ms in some processes, 12.4-13.4
+// in about half of them, always on the main thread).
+struct FreeDeleter {
+  void operator()(uint16_t* p) const { std::free(p); }
+};
+using Packed = std::unique_ptr<uint16_t[], FreeDeleter>;
+
+Packed packed_buffer(size_t elements) {
+  const size_t bytes = (elements * sizeof(uint16_t) + 4095) / 4096 * 4096;
+  auto* p = static_cast<uint16_t*>(std::aligned_alloc(4096, bytes));
+  TORCH_CHECK(p != nullptr, "varlen_attention: out of memory for ", bytes, " bytes of packed K/V");
+  return Packed(p);
+}
+
 // Keys are read in chunk pairs of 32: a sequence's packed keys are padded to that, not to kBlockK.
 int64_t padded_keys(int64_t k_len) { return (k_len + 31) / 32 * 32; }
+
+// The row length (elements) of the AMX path's V^T and the room each packed (sequence, K/V head) takes:
+// 32 more than its padded keys, so that no row length is a multiple of 4 KiB (2,048 keys): a tile
+// load's 16 rows would all fall in one L1 set (12 ways) and evict one another.
+int64_t packed_stride(int64_t k_len) { return padded_keys(k_len) + 32; }
 
 // Pass 1: the keys of one (sequence, K/V head) into [chunk of 16][D/2][16][2], its values into
 // [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be). Keys: per
@@ -319,12 +341,12 @@ void load_tiles() {
 }
 
 // Pass 1 on AMX: the keys of one (sequence, K/V head) as rows, [padded][D], and its values
-// transposed, [D][padded] (a row of V^T is an A tile's row: 32 keys of one dimension); zero past the
-// last key.
+// transposed, [D][packed_stride] (a row of V^T is an A tile's row: 32 keys of one dimension); zero
+// past the last key.
 template <int D>
 void pack_kv_amx(const Batch& b, const int64_t* index, int64_t k_len, int64_t head, uint16_t* kn,
                  uint16_t* vt) {
-  const int64_t padded = padded_keys(k_len);
+  const int64_t padded = padded_keys(k_len), stride = packed_stride(k_len);
   for (int64_t j = 0; j < padded; ++j) {
     if (j < k_len)
       std::memcpy(kn + j * D, b.k + index[j] * b.k_stride + head * D, sizeof(uint16_t) * D);
@@ -337,7 +359,7 @@ void pack_kv_amx(const Batch& b, const int64_t* index, int64_t k_len, int64_t he
     for (int i = 0; i < 32; ++i)
       rows[i] = j0 + i < k_len ? b.v + index[j0 + i] * b.v_stride + head * D : nullptr;
     for (int d = 0; d < D; ++d) {
-      uint16_t* dst = vt + d * padded + j0;
+      uint16_t* dst = vt + d * stride + j0;
       for (int i = 0; i < 32; ++i) dst[i] = rows[i] ? rows[i][d] : 0;
     }
   }
@@ -351,23 +373,23 @@ constexpr float kRescaleSlack = 8.0f;
 // first four chunks stay in tiles 0-3 for the whole key loop; chunks 4-7 (D = 128) go through tile 4 and
 // `o_extra` ([c - 4][16][16] float32).
 template <int D>
-void pv_t(const uint16_t* vt, int64_t padded, int64_t j0, float* o_extra) {
+void pv_t(const uint16_t* vt, int64_t stride, int64_t j0, float* o_extra) {
   constexpr int NC = D / 16;
-  _tile_loadd(6, vt + 0 * 16 * padded + j0, padded * 2);
+  _tile_loadd(6, vt + 0 * 16 * stride + j0, stride * 2);
   _tile_dpbf16ps(0, 6, 7);
   if constexpr (NC > 1) {
-    _tile_loadd(6, vt + 1 * 16 * padded + j0, padded * 2);
+    _tile_loadd(6, vt + 1 * 16 * stride + j0, stride * 2);
     _tile_dpbf16ps(1, 6, 7);
   }
   if constexpr (NC > 2) {
-    _tile_loadd(6, vt + 2 * 16 * padded + j0, padded * 2);
+    _tile_loadd(6, vt + 2 * 16 * stride + j0, stride * 2);
     _tile_dpbf16ps(2, 6, 7);
-    _tile_loadd(6, vt + 3 * 16 * padded + j0, padded * 2);
+    _tile_loadd(6, vt + 3 * 16 * stride + j0, stride * 2);
     _tile_dpbf16ps(3, 6, 7);
   }
   for (int c = 4; c < NC; ++c) {
     _tile_loadd(4, o_extra + (c - 4) * 256, 64);
-    _tile_loadd(6, vt + c * 16 * padded + j0, padded * 2);
+    _tile_loadd(6, vt + c * 16 * stride + j0, stride * 2);
     _tile_dpbf16ps(4, 6, 7);
     _tile_stored(4, o_extra + (c - 4) * 256, 64);
   }
@@ -411,7 +433,7 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
   const int64_t offset = k_len - q_len;
   const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
   const int rows = nq * group;  // row = token * group + head
-  const int64_t padded = padded_keys(k_len);
+  const int64_t stride = packed_stride(k_len);
   const int64_t base = b.packed_at[seq * b.kv_heads + g];
   const uint16_t* kn = b.kp + base;
   const uint16_t* vt = b.vp + base;
@@ -538,7 +560,7 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
         _tile_stored(5, both_st + (cur ^ 1) * 512 + 256, 64);
       }
       _tile_loadd(7, pt, 64);
-      pv_t<D>(vt, padded, j0, o + 4 * 256);
+      pv_t<D>(vt, stride, j0, o + 4 * 256);
     }
     store_o<kResident>(o);
     // O = (O^T)^T / l, row by row: dimension d of row r is o[d / 16][d % 16][r].
@@ -722,23 +744,22 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     for (int64_t g = 0; g < b.kv_heads && !direct(s); ++g) {
       b.packed_at[s * b.kv_heads + g] = total;
       to_pack.push_back(s * b.kv_heads + g);
-      total += padded_keys(b.k_starts[s + 1] - b.k_starts[s]) * D;
+      total += packed_stride(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
-  // Uninitialised (new T[n], not a vector's zero fill: pack_kv writes every element, padding
-  // included). Kept by the calling thread from call to call (freshly allocated, megabytes of it would
+  // Uninitialised (not a vector's zero fill: pack_kv writes every element the products read). Kept by the calling thread from call to call (freshly allocated, megabytes of it would
   // page-fault in at every layer), up to kKeptPacked elements; a larger batch (chunks after very long
   // prefixes) gets a buffer of its own.
   constexpr size_t kKeptPacked = size_t{64} << 20;  // 128 MiB of bfloat16
-  thread_local std::unique_ptr<uint16_t[]> kept;
+  thread_local Packed kept;
   thread_local size_t kept_size = 0;
-  std::unique_ptr<uint16_t[]> once;
+  Packed once;
   const auto need = static_cast<size_t>(2 * total);
   uint16_t* packed;
   if (need <= kKeptPacked) {
-    if (kept_size < need) kept.reset(new uint16_t[need]), kept_size = need;
+    if (kept_size < need) kept = packed_buffer(need), kept_size = need;
     packed = kept.get();
   } else {
-    once.reset(new uint16_t[need]);
+    once = packed_buffer(need);
     packed = once.get();
   }
   b.kp = packed;
