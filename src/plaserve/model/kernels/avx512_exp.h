@@ -25,22 +25,22 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// 2^t, for results rounded to bfloat16 (whose rounding, 4e-3, dwarfs the error): 2^n * p(f),
-// n = round(t), f = t - n in [-1/2, 1/2], p a degree-3 polynomial fitted for relative error (at most
-// 8e-5). From 128 up it is +inf (SwiGLU relies on that). t is held at -125 from below, so the result
-// stays above 2^-126, the smallest normal float (p(0) is just under 1: -126 would not do): a
-// subnormal result, and every add or multiply that reads one, costs a microcode assist, and scores
-// or gates far below 0 are common enough that attention ran 10x and SwiGLU 14x slower on inputs of
-// magnitude 30-100 without it. max(-125, t), not max(t, -125): a NaN t stays NaN.
+// 2^t, for results rounded to bfloat16 (whose rounding, 4e-3, dwarfs the error): p(f) * 2^floor(t),
+// f = t - floor(t) in [0, 1) (vreduceps), p a degree-3 polynomial fitted for relative error (at most
+// 7.5e-5); vscalefps takes the floor of its exponent itself, so no rounded copy of t is made. From 128
+// up the result is +inf (SwiGLU relies on that). t is held at -125 from below, so the result stays
+// above 2^-126, the smallest normal float: a subnormal result, and every add or multiply that reads
+// one, costs a microcode assist, and scores or gates far below 0 are common enough that attention ran
+// 16x and SwiGLU 15x slower on inputs of magnitude 30-100 without it. max(-125, t), not
+// max(t, -125): a NaN t stays NaN.
 inline __m512 exp2_p(__m512 t) {
   t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(5.50886838e-2f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.42604051e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93276242e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992894e-1f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 p = _mm512_set1_ps(7.802452147e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.260671854e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.958335042e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251962e-1f));
+  return _mm512_scalef_ps(p, t);
 }
 
 }  // namespace plaserve
