@@ -746,9 +746,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       to_pack.push_back(s * b.kv_heads + g);
       total += packed_stride(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
-  // Uninitialised (not a vector's zero fill: pack_kv writes every element the products read). Kept by the calling thread from call to call (freshly allocated, megabytes of it would
-  // page-fault in at every layer), up to kKeptPacked elements; a larger batch (chunks after very long
-  // prefixes) gets a buffer of its own.
+  // Uninitialised (not a vector's zero fill: pack_kv writes every element the products read). Kept
+  // by the calling thread from call to call (freshly allocated, megabytes of it would page-fault in
+  // at every layer), up to kKeptPacked elements; a larger batch (chunks after very long prefixes)
+  // gets a buffer of its own.
   constexpr size_t kKeptPacked = size_t{64} << 20;  // 128 MiB of bfloat16
   thread_local Packed kept;
   thread_local size_t kept_size = 0;
