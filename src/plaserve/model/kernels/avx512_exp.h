@@ -1,29 +1,10 @@
-// exp over 16 float32 lanes with AVX-512, shared by the native CPU kernels of this folder: exact to
-// ~1 ulp (exp_ps), or to 8e-5 where the result is rounded to bfloat16 anyway (exp2_p).
+// 2^t over 16 float32 lanes with AVX-512, shared by the native CPU kernels of this folder, whose
+// results are rounded to bfloat16 (attention's P and output, SwiGLU).
 #pragma once
 
 #include <immintrin.h>
 
 namespace plaserve {
-
-// exp(x): 2^n * p(r), r = x - n ln 2, |r| <= ln 2 / 2, p a degree-6 polynomial (Cephes' expf
-// coefficients, ~1 ulp); x is clamped to [-87, 88], so the result is a normal float, 0-ish below and
-// large but finite above.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 // 2^t, for results rounded to bfloat16 (whose rounding, 4e-3, dwarfs the error): p(f) * 2^floor(t),
 // f = t - floor(t) in [0, 1) (vreduceps), p a degree-3 polynomial fitted for relative error (at most

@@ -55,7 +55,6 @@ constexpr int kBlockK = 128;  // keys of an online-softmax step (a multiple of 3
 constexpr int kMaxDirectGroup = 16;  // AMX decode rows: query heads per K/V head that fit 16 columns
 
 using plaserve::exp2_p;
-using plaserve::exp_ps;
 
 inline __m512bh pair(const uint16_t* p) {  // two bf16 values broadcast to every 32-bit lane
   int32_t bits;
@@ -246,7 +245,8 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
     w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
   }
   const int64_t base = b.packed_at[seq * b.kv_heads + g];
-  const float scale = b.scale;
+  // Base-2 exponents (exp2_p, P is rounded to bfloat16): scores times scale log2 e, maxima in base 2.
+  const float scale = b.scale * 1.44269504088896341f;
   for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
     const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
     const int pairs32 = (nk + 31) / 32;  // chunk pairs of 32 keys
@@ -268,7 +268,7 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
         vmax = _mm512_mask_max_ps(vmax, first_lanes(valid - 16 * c), vmax,
                                   _mm512_loadu_ps(s + 16 * c));
       const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(vmax) * scale);
-      const float alpha = std::exp(w.m[r] - m_new);  // 0 on the first block (m = -inf)
+      const float alpha = std::exp2(w.m[r] - m_new);  // 0 on the first block (m = -inf)
       w.m[r] = m_new;
       if (alpha != 1.0f) {
         float* o = w.o.data() + static_cast<size_t>(r) * D;
@@ -281,10 +281,10 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
       for (int c = 0; c < 2 * pairs32; c += 2) {
         const __m512 e0 = _mm512_maskz_mov_ps(
             first_lanes(valid - 16 * c),
-            exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), vs, vm)));
+            exp2_p(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), vs, vm)));
         const __m512 e1 = _mm512_maskz_mov_ps(
             first_lanes(valid - 16 * (c + 1)),
-            exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (c + 1)), vs, vm)));
+            exp2_p(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (c + 1)), vs, vm)));
         vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
         // cvtne2ps packs (second, first): lanes 0-15 come from e0
         _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
