@@ -11,9 +11,8 @@ namespace plaserve {
 // 7.5e-5); vscalefps takes the floor of its exponent itself, so no rounded copy of t is made. From 128
 // up the result is +inf (SwiGLU relies on that). t is held at -125 from below, so the result stays
 // above 2^-126, the smallest normal float: a subnormal result, and every add or multiply that reads
-// one, costs a microcode assist, and scores or gates far below 0 are common enough that attention ran
-// 16x and SwiGLU 15x slower on inputs of magnitude 30-100 without it. max(-125, t), not
-// max(t, -125): a NaN t stays NaN.
+// one, costs a microcode assist (without the hold, attention ran 16x and SwiGLU 15x slower on inputs
+// of magnitude 30-100). max(-125, t), not max(t, -125): a NaN t stays NaN.
 inline __m512 exp2_p(__m512 t) {
   t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);
   const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
