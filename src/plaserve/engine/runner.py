@@ -64,8 +64,9 @@ def pack(
     batch: ScheduledBatch, block_size: int, device: torch.device, row_granule: int = 1
 ) -> PackedBatch:
     """Lay out ``batch`` as varlen prefill items, then the padded bucket block, then decodes.
-    ``row_granule`` > 1 (varlen batches only): a dummy prompt after the varlen items pads the step to
-    :func:`padded_rows` rows; its tokens write their K/V to the null block and nothing samples them."""
+    ``row_granule`` > 1: a varlen batch (no bucket; bucketed steps have static shapes already) gets a
+    dummy prompt after its varlen items that pads the step to :func:`padded_rows` rows; its tokens
+    write their K/V to the null block and nothing samples them."""
     items = list(enumerate(batch.items))
     decodes = [(i, it) for i, it in items if _is_decode(it)]
     rest = [(i, it) for i, it in items if not _is_decode(it)]
@@ -249,8 +250,7 @@ class ModelRunner:
                 batch = dataclasses.replace(batch, bucket=None)
         if batch.kind == "short" and static is None and self.grid is not None:
             self.grid_fallbacks += 1
-        granule = self.row_granule if batch.bucket is None else 1
-        packed = pack(batch, self.block_size, self.device, granule)
+        packed = pack(batch, self.block_size, self.device, self.row_granule)
         if static is not None:
             assert self.grid is not None
             self.grid.hits += 1
