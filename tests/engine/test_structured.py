@@ -150,7 +150,7 @@ def test_bad_specs_are_refused_by_name(qwen2_ckpt):
 def test_the_cpu_and_device_masks_agree() -> None:
     """The CPU's numpy unpacking and the shifts GPUs run make the same additive masks (0 where a
     bit allows a token, -inf where not), and applying a step's masks sets -inf exactly there in the
-    constrained rows, whatever order the logits' rows come in, leaving the other rows untouched."""
+    constrained rows (mask k on the k-th constrained row), leaving the other rows untouched."""
     import concurrent.futures
 
     import torch
@@ -166,17 +166,12 @@ def test_the_cpu_and_device_masks_agree() -> None:
     banned = not (int(bitmask[0, word]) >> bit) & 1
     assert mask[0, 32 * word + bit].item() == (float("-inf") if banned else 0.0)
 
-    class Req:  # what the masks read of a request
-        grammar = None
-
-    constrained = [Req() for _ in range(3)]
-    reqs = [Req(), constrained[1], constrained[2], Req(), constrained[0]]
     future: concurrent.futures.Future = concurrent.futures.Future()
     future.set_result((mask, 0.0))
     logits = torch.randn(5, vocab)
     masked = logits.clone()
-    PendingMasks(constrained, future).apply(masked, reqs)
-    for row, k in ((1, 1), (2, 2), (4, 0)):
+    PendingMasks([1, 2, 4], future).apply(masked)
+    for row, k in ((1, 0), (2, 1), (4, 2)):
         expected = logits[row].masked_fill(mask[k] < 0, float("-inf"))
         assert torch.equal(masked[row], expected)
     assert torch.equal(masked[[0, 3]], logits[[0, 3]])
@@ -199,18 +194,13 @@ def test_the_native_kernel_applies_the_bitmask_as_the_unpacked_mask_does() -> No
     gen = torch.Generator().manual_seed(4)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 32), dtype=torch.int32, generator=gen)
 
-    class Req:
-        grammar = None
-
-    constrained = [Req() for _ in range(3)]
-    reqs = [constrained[2], Req(), constrained[0], constrained[1]]
     logits = torch.randn(4, vocab, generator=gen)
     results = []
     for mask in (bitmask, additive_on_cpu(bitmask.numpy(), vocab)):
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result((mask, 0.0))
         masked = logits.clone()
-        PendingMasks(constrained, future).apply(masked, reqs)
+        PendingMasks([0, 2, 3], future).apply(masked)
         results.append(masked)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0][1], logits[1])
     assert results[0].isinf().any(dim=1).tolist() == [True, False, True, True]

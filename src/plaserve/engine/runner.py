@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -212,7 +213,9 @@ class ModelRunner:
             "decode_grid_fallbacks": decode.fallbacks if decode else 0,
         }
 
-    def _forward_decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch] | None:
+    def _plan_decode(
+        self, batch: ScheduledBatch
+    ) -> tuple[PackedBatch, Callable[[], torch.Tensor]] | None:
         """A batch of decodes through the decode grid (None: no grid, or no entry holds it)."""
         if (
             self.decode_grid is None
@@ -231,16 +234,18 @@ class ModelRunner:
         packed = pack(batch, self.block_size, self.device)
         meta = packed.meta
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        return static.run_decode(
+        return packed, lambda: static.run_decode(
             packed.input_ids,
             packed.positions,
             meta.slot_mapping,
             meta.decode_block_tables,
             meta.decode_context_lens,
-        ), packed
+        )
 
-    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, PackedBatch]:
-        decoded = self._forward_decode(batch)
+    def _plan(self, batch: ScheduledBatch) -> tuple[PackedBatch, Callable[[], torch.Tensor]]:
+        """``batch`` packed, and the forward pass over it (which returns the hidden states): through
+        a static runner where a grid has one for it, else the varlen eager path."""
+        decoded = self._plan_decode(batch)
         if decoded is not None:
             return decoded
         static = None
@@ -254,12 +259,13 @@ class ModelRunner:
         if static is not None:
             assert self.grid is not None
             self.grid.hits += 1
-            hidden = static.run(
-                packed.input_ids, packed.positions, packed.meta.slot_mapping, len(batch.items)
+            rows = len(batch.items)
+            return packed, lambda: static.run(
+                packed.input_ids, packed.positions, packed.meta.slot_mapping, rows
             )
-        else:
-            hidden = self.model(packed.input_ids, packed.positions, packed.meta, self.kv_caches)
-        return hidden, packed
+        return packed, lambda: self.model(
+            packed.input_ids, packed.positions, packed.meta, self.kv_caches
+        )
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:
@@ -293,22 +299,23 @@ class ModelRunner:
         """Run ``batch``; returns the sampled token of each item that samples, by item index (None where
         the logits were unusable: see ``sampler.unusable_rows``). For each request that asked for
         logprobs, the sampled token's are appended to ``output_logprobs`` too."""
+        packed, forward = self._plan(batch)
+        reqs = [batch.items[i].request for i in packed.sample_items]
         # Structured outputs: the constrained rows' masks are computed while the forward pass runs.
-        masks = start_masks([it.request for it in batch.items if it.samples], self.device)
-        hidden, packed = self._forward(batch)
+        masks = start_masks(reqs, self.device)
+        hidden = forward()
         for i, it in enumerate(batch.items):
             if it.request.params.prompt_logprobs is not None:
                 self._record_prompt_logprobs(it, hidden, packed.first_rows[i])
         if not packed.sample_rows:
             return {}
-        reqs = [batch.items[i].request for i in packed.sample_items]
         logits = self.model.compute_logits(hidden[packed.sample_rows])
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
         # a copy: the penalties change logits in place
         raw = logits[asked].log_softmax(-1) if asked else None
         logits = apply_penalties(logits, reqs)
         if masks is not None:  # after the penalties and the bias: a bias never undoes the mask
-            masks.apply(logits, reqs)
+            masks.apply(logits)
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         if raw is not None and (
             rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]
@@ -346,5 +353,5 @@ class ModelRunner:
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of every packed token of ``batch``, padding included (for tests and debugging)."""
-        hidden, _ = self._forward(batch)
-        return self.model.compute_logits(hidden)
+        _, forward = self._plan(batch)
+        return self.model.compute_logits(forward())

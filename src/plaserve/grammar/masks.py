@@ -28,20 +28,9 @@ import torch
 
 from plaserve.model.kernels import token_mask
 
-_worker: concurrent.futures.ThreadPoolExecutor | None = None
-_executor: llguidance.LLExecutor | None = None
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 # float32 -inf's bits (0.0's are all zero): a banned token's bit times this is its -inf
 _NEG_INF_BITS = np.uint32(0xFF800000)
-
-
-def _pool() -> tuple[concurrent.futures.ThreadPoolExecutor, llguidance.LLExecutor]:
-    global _worker, _executor
-    if _worker is None:
-        _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plaserve-masks")
-        _executor = llguidance.LLExecutor(1)  # one thread: the forward pass has the others
-    assert _executor is not None
-    return _worker, _executor
 
 
 def additive_on_cpu(bitmask: np.ndarray, vocab: int) -> torch.Tensor:
@@ -60,6 +49,19 @@ def additive_on_device(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1  # [k, words, 32]
     banned = bits.reshape(len(bitmask), -1)[:, :vocab] == 0
     return torch.zeros(banned.shape, device=bitmask.device).masked_fill_(banned, float("-inf"))
+
+
+_worker: concurrent.futures.ThreadPoolExecutor | None = None
+_executor: llguidance.LLExecutor | None = None
+
+
+def _pool() -> tuple[concurrent.futures.ThreadPoolExecutor, llguidance.LLExecutor]:
+    global _worker, _executor
+    if _worker is None:
+        _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plaserve-masks")
+        _executor = llguidance.LLExecutor(1)  # one thread: the forward pass has the others
+    assert _executor is not None
+    return _worker, _executor
 
 
 def _compute(matchers: list[Any], vocab: int, unpack: bool) -> tuple[torch.Tensor, float]:
@@ -90,51 +92,52 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class PendingMasks:
-    """The masks of one step's constrained requests, being computed (see :func:`start_masks`)."""
+    """The masks of one step's constrained rows, being computed (see :func:`start_masks`)."""
 
-    def __init__(self, reqs: list[Any], future: concurrent.futures.Future) -> None:
-        self._index = {id(r): k for k, r in enumerate(reqs)}
+    def __init__(self, rows: list[int], future: concurrent.futures.Future) -> None:
+        self.rows = rows  # the constrained rows of the step's logits, ascending: mask k is row k's
         self._future = future
+        # made now, not in apply(): just after the step's inputs were made the same way, its code is
+        # still in cache (after the forward pass the same call took ~20x as long)
+        self._row_index = torch.tensor(rows)
         self.compute_s = 0.0  # the worker's time computing (and, on the CPU, unpacking) the masks
         self.wait_s = 0.0  # the part the step waited for (not hidden behind the forward pass)
         self.apply_s = 0.0  # applying them to the constrained rows' logits
 
-    def apply(self, logits: torch.Tensor, reqs: Sequence[Any]) -> None:
-        """Add -inf to the constrained rows of ``logits`` ``[len(reqs), vocab]`` (rows in the order
-        of ``reqs``) wherever a row's grammar does not allow the token next (0 elsewhere: those
-        logits stay exactly as they are). The other rows are not touched."""
+    def apply(self, logits: torch.Tensor) -> None:
+        """-inf into the constrained rows of ``logits`` (the step's ``[samples, vocab]``) wherever a
+        row's grammar does not allow the token next; its allowed logits stay exactly as they are, and
+        the other rows are not touched."""
         start = time.perf_counter()
         mask, self.compute_s = self._future.result()
         self.wait_s = time.perf_counter() - start
         start = time.perf_counter()
-        rows = [i for i, r in enumerate(reqs) if id(r) in self._index]
-        order = [self._index[id(reqs[i])] for i in rows]
-        if order != list(range(len(mask))):
-            mask = mask[order]
         if mask.dtype == torch.int32 and logits.device.type == "cpu":
             native = token_mask()  # a bitmask left packed on the CPU: the native kernel is there
             assert native is not None
             with torch.inference_mode():  # the logits are an inference tensor
-                native(logits, mask, torch.tensor(rows))
+                native(logits, mask, self._row_index)
             self.apply_s = time.perf_counter() - start
             return
         if mask.dtype == torch.int32:  # a bitmask for the device to unpack
             mask = additive_on_device(mask.to(logits.device), logits.shape[-1])
         with torch.inference_mode():  # the logits are an inference tensor
-            for k, i, n in _runs(rows):
+            for k, i, n in _runs(self.rows):
                 logits[i : i + n].add_(mask[k : k + n])
         self.apply_s = time.perf_counter() - start
 
 
 def start_masks(reqs: Sequence[Any], device: torch.device | None = None) -> PendingMasks | None:
-    """Start computing the masks of ``reqs`` (the requests a step samples, logits on ``device``:
-    the CPU by default) that carry a grammar matcher (``req.grammar``); None when none does."""
-    constrained = [r for r in reqs if r.grammar is not None]
-    if not constrained:
+    """Start computing the masks of ``reqs`` (the requests a step samples, in the order of its logits'
+    rows, on ``device``: the CPU by default) that carry a grammar matcher (``req.grammar``); None
+    when none does."""
+    rows = [k for k, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
         return None
-    worker, _ = _pool()
     on_cpu = device is None or device.type == "cpu"
-    unpack = on_cpu and token_mask() is None
-    matchers = [r.grammar for r in constrained]
-    future = worker.submit(_compute, matchers, matchers[0].vocab_size, unpack)
-    return PendingMasks(constrained, future)
+    matchers = [reqs[k].grammar for k in rows]
+    worker, _ = _pool()
+    future = worker.submit(
+        _compute, matchers, matchers[0].vocab_size, on_cpu and token_mask() is None
+    )
+    return PendingMasks(rows, future)

@@ -6,6 +6,7 @@
 // allowed) belongs to logits row rows[k] ([N, vocab] float32): every banned token's logit becomes
 // -inf, every allowed one stays exactly as it is. One masked store of -inf per 16 tokens, no
 // [K, vocab] float mask made in between; the other rows are not touched.
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -30,17 +31,22 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
   const auto* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr());
   float* base = logits.data_ptr<float>();
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t k = 0; k < bitmask.size(0); ++k) {
+  for (int64_t k = 0; k < bitmask.size(0); ++k)
     TORCH_CHECK(row[k] >= 0 && row[k] < logits.size(0), "apply_token_bitmask: row out of range");
-    float* out = base + row[k] * logits.stride(0);
-    const uint32_t* b = bits + k * words;
-    for (int64_t t = 0; t < vocab; t += 16) {
-      const uint32_t word = b[t / 32] >> (t % 32);  // t is a multiple of 16: its half of the word
-      __mmask16 banned = static_cast<__mmask16>(~word & 0xFFFFu);
-      if (vocab - t < 16) banned &= static_cast<__mmask16>((1u << (vocab - t)) - 1u);
-      if (banned) _mm512_mask_storeu_ps(out + t, banned, neg_inf);
+  // Rows split across torch's threads: a row is 4 bytes a token, read and written back, so a batch
+  // of constrained rows is megabytes of logits, most of them out of L2 when the step gets here.
+  at::parallel_for(0, bitmask.size(0), 1, [&](int64_t first, int64_t last) {
+    for (int64_t k = first; k < last; ++k) {
+      float* out = base + row[k] * logits.stride(0);
+      const uint32_t* b = bits + k * words;
+      for (int64_t t = 0; t < vocab; t += 16) {
+        const uint32_t word = b[t / 32] >> (t % 32);  // t is a multiple of 16: its half of the word
+        __mmask16 banned = static_cast<__mmask16>(~word & 0xFFFFu);
+        if (vocab - t < 16) banned &= static_cast<__mmask16>((1u << (vocab - t)) - 1u);
+        if (banned) _mm512_mask_storeu_ps(out + t, banned, neg_inf);
+      }
     }
-  }
+  });
 }
 
 }  // namespace
