@@ -74,8 +74,8 @@ def test_kernel_equals_sdpa(heads, kv_heads, dim, lens, isa):
 @pytest.mark.parametrize("spread", [30.0, 300.0])
 def test_kernel_equals_sdpa_on_scores_far_apart(spread, isa):
     """Scores hundreds apart, as outlier activations make them: most keys' probabilities fall below
-    the smallest normal float (the kernel holds them there rather than going subnormal, which is
-    slow), and the row maximum rises block after block (the lazy rescale)."""
+    the smallest normal float (the kernel flushes them to zero rather than computing with subnormals,
+    which is slow), and the row maximum rises block after block (the lazy rescale)."""
     gen = torch.Generator().manual_seed(1)
     q_lens, k_lens = [129, 1, 40], [257, 300, 40]
     q = (torch.randn(sum(q_lens), 8, 64, generator=gen) * spread).bfloat16()
@@ -86,6 +86,18 @@ def test_kernel_equals_sdpa_on_scores_far_apart(spread, isa):
     k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
     want = kernels.reference_attention(q, k, v, q_starts, k_starts, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
+@needs_kernel
+def test_the_callers_subnormals_survive_a_call(isa):
+    """The kernel flushes subnormals on its threads while it runs, and gives them back as it found
+    them: float arithmetic after a call still makes subnormal numbers."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(40, 8, 64, generator=gen).bfloat16()
+    kv = torch.randn(40, 4, 64, generator=gen).bfloat16()
+    _run(q, kv[:, :2], kv[:, 2:], [40], [40], 0.125)
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # below 2^-126: subnormal
+    assert (tiny * 0.5).item() != 0.0 and (tiny + 0.0).item() != 0.0
 
 
 @needs_kernel

@@ -9,12 +9,10 @@ namespace plaserve {
 // 2^t, for results rounded to bfloat16 (whose rounding, 4e-3, dwarfs the error): p(f) * 2^floor(t),
 // f = t - floor(t) in [0, 1) (vreduceps), p a degree-3 polynomial fitted for relative error (at most
 // 7.5e-5); vscalefps takes the floor of its exponent itself, so no rounded copy of t is made. From 128
-// up the result is +inf (SwiGLU relies on that). t is held at -125 from below, so the result stays
-// above 2^-126, the smallest normal float: a subnormal result, and every add or multiply that reads
-// one, costs a microcode assist (without the hold, attention ran 16x and SwiGLU 15x slower on inputs
-// of magnitude 30-100). max(-125, t), not max(t, -125): a NaN t stays NaN.
-inline __m512 exp2_p(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-125.0f), t);
+// up the result is +inf (SwiGLU relies on that). Below -126 the result is subnormal, and every
+// subnormal result, or add or multiply that reads one, costs a microcode assist, unless the thread
+// flushes them (FlushDenormals): without that, use exp2_p.
+inline __m512 exp2_p_flushed(__m512 t) {
   const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 p = _mm512_set1_ps(7.802452147e-2f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.260671854e-1f));
@@ -22,5 +20,24 @@ inline __m512 exp2_p(__m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999251962e-1f));
   return _mm512_scalef_ps(p, t);
 }
+
+// exp2_p_flushed with t held at -125 from below, so the result stays above 2^-126, the smallest normal
+// float (without the hold, attention ran 16x and SwiGLU 15x slower on inputs of magnitude 30-100).
+// max(-125, t), not max(t, -125): a NaN t stays NaN.
+inline __m512 exp2_p(__m512 t) { return exp2_p_flushed(_mm512_max_ps(_mm512_set1_ps(-125.0f), t)); }
+
+// While one lives, this thread's SSE/AVX arithmetic flushes subnormal results to zero and reads
+// subnormal inputs as zero (MXCSR's FTZ and DAZ), so none of them costs an assist; the caller's MXCSR
+// comes back when it goes. AMX's bfloat16 products treat subnormals so already.
+class FlushDenormals {
+ public:
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
 
 }  // namespace plaserve
