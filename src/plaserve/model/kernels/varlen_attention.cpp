@@ -366,9 +366,11 @@ void pack_kv_amx(const Batch& b, const int64_t* index, int64_t k_len, int64_t he
   }
 }
 
-// How far (base 2) a score may rise above the maximum P is taken against before O and l are rescaled:
-// P stays <= 2^8, and most blocks after the first rescale nothing.
-constexpr float kRescaleSlack = 8.0f;
+// How large a block's sum of P (per row) may grow, P taken against a maximum that scores have since
+// passed, before O and l are rescaled to the new maximum: every P stays <= 2^16, far from float's
+// overflow, and most blocks after the first rescale nothing. The sum, which the softmax makes anyway,
+// tells; the block's maximum, which takes two instructions a key pair, is found only then.
+constexpr float kRescaleSum = 65536.0f;
 
 // O^T chunk c (16 dimensions x 16 rows) += V^T chunk c (16 dims x 32 keys, tile 6) x P^T (tile 7). The
 // first four chunks stay in tiles 0-3 for the whole key loop; chunks 4-7 (D = 128) go through tile 4 and
@@ -421,7 +423,7 @@ void load_o(const float* o) {
 // Pass 2 on AMX: kBlockQ query tokens (from q0) of sequence `seq`, the query heads of K/V head g, 16
 // rows (token x head) at a time. Per 32 keys: S^T = K Q^T in tiles 4 and 5 (A: 16 key rows, tile 6;
 // B: Q^T as [D/2 pairs][16 rows][2], tile 7), stored; P^T = 2^(S^T scale log2 e - m), one vector
-// per key, the maximum m per row taken lazily (kRescaleSlack); P^T interleaved by key pairs into a
+// per key, the maximum m per row taken lazily (kRescaleSum); P^T interleaved by key pairs into a
 // B tile; O^T += V^T P^T (pv_t). Scratch is on the stack: D <= 128.
 template <int D>
 void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
@@ -518,24 +520,17 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
                                                 vlimit, _MM_CMPINT_LE)
                         : static_cast<__mmask16>(0xFFFF);
       };
-      // P^T into pt (B tile layout) against the running maximum m; returns the block's sum per row
-      // and (in `top`) its largest exponent over visible keys, for the lazy rescale. Below the
-      // diagonal every key is visible: no masks.
-      auto exponentiate_as = [&]<bool kDiagonal>(__m512& top) {
+      // P^T into pt (B tile layout) against the running maximum m; returns the block's sum per row.
+      // Below the diagonal every key is visible: no masks.
+      auto exponentiate_as = [&]<bool kDiagonal>() {
         __m512 sum = _mm512_setzero_ps();
-        top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int jp = 0; jp < 16; ++jp) {
           const __m512 t0 = _mm512_fmsub_ps(_mm512_load_ps(st + 2 * jp * 16), vscale2, m);
           const __m512 t1 = _mm512_fmsub_ps(_mm512_load_ps(st + (2 * jp + 1) * 16), vscale2, m);
           __m512 e0 = exp2_p_flushed(t0), e1 = exp2_p_flushed(t1);
           if constexpr (kDiagonal) {
-            const __mmask16 v0 = visible(2 * jp), v1 = visible(2 * jp + 1);
-            top = _mm512_mask_max_ps(top, v0, top, t0);
-            top = _mm512_mask_max_ps(top, v1, top, t1);
-            e0 = _mm512_maskz_mov_ps(v0, e0);
-            e1 = _mm512_maskz_mov_ps(v1, e1);
-          } else {
-            top = _mm512_max_ps(top, _mm512_max_ps(t0, t1));
+            e0 = _mm512_maskz_mov_ps(visible(2 * jp), e0);
+            e1 = _mm512_maskz_mov_ps(visible(2 * jp + 1), e1);
           }
           sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
           // cvtne2ps packs (second, first): lanes 0-15 are key 2 jp's rows, 16-31 key 2 jp + 1's;
@@ -545,23 +540,24 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
         }
         return sum;
       };
-      auto exponentiate = [&](__m512& top) {
-        return diagonal ? exponentiate_as.template operator()<true>(top)
-                        : exponentiate_as.template operator()<false>(top);
+      auto exponentiate = [&]() {
+        return diagonal ? exponentiate_as.template operator()<true>()
+                        : exponentiate_as.template operator()<false>();
       };
-      if (j0 == 0) {  // the first block sets the maximum (every row sees key 0)
+      // The block's largest score per row over its visible keys.
+      auto block_max = [&]() {
         __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int j = 0; j < 32; ++j)
           top = _mm512_mask_max_ps(top, visible(j), top, _mm512_load_ps(st + j * 16));
-        m = _mm512_mul_ps(top, vscale2);  // scale > 0: the maximum of the scaled scores
-      }
-      __m512 top;
-      __m512 sum = exponentiate(top);
-      // Where a row's maximum rose by more than the slack (rare after the first blocks): rescale what
-      // was summed so far to the new maximum and take this block's P again.
-      const __mmask16 rose = _mm512_cmp_ps_mask(top, _mm512_set1_ps(kRescaleSlack), _CMP_GT_OQ);
+        return top;
+      };
+      if (j0 == 0) m = _mm512_mul_ps(block_max(), vscale2);  // every row sees key 0; scale > 0
+      __m512 sum = exponentiate();
+      // Where scores rose far enough past the maximum to make the sum large (rare after the first
+      // blocks): rescale what was summed so far to the block's maximum and take its P again.
+      const __mmask16 rose = _mm512_cmp_ps_mask(sum, _mm512_set1_ps(kRescaleSum), _CMP_GT_OQ);
       if (rose) {
-        const __m512 rise = _mm512_maskz_mov_ps(rose, top);
+        const __m512 rise = _mm512_maskz_sub_ps(rose, _mm512_mul_ps(block_max(), vscale2), m);
         const __m512 alpha = exp2_p_flushed(_mm512_sub_ps(_mm512_setzero_ps(), rise));
         store_o<kResident>(o);
         for (int d = 0; d < D; ++d)
@@ -569,7 +565,7 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
         load_o<kResident>(o);
         l = _mm512_mul_ps(l, alpha);
         m = _mm512_add_ps(m, rise);
-        sum = exponentiate(top);
+        sum = exponentiate();
       }
       l = _mm512_add_ps(l, sum);
     }
