@@ -28,7 +28,7 @@ inline __m512 exp2_p(__m512 t) { return exp2_p_flushed(_mm512_max_ps(_mm512_set1
 
 // While one lives, this thread's SSE/AVX arithmetic flushes subnormal results to zero and reads
 // subnormal inputs as zero (MXCSR's FTZ and DAZ), so none of them costs an assist; the caller's MXCSR
-// comes back when it goes. AMX's bfloat16 products treat subnormals so already.
+// comes back when it goes.
 class FlushDenormals {
  public:
   FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }

@@ -246,7 +246,8 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
     w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
   }
   const int64_t base = b.packed_at[seq * b.kv_heads + g];
-  // Base-2 exponents (exp2_p, P is rounded to bfloat16): scores times scale log2 e, maxima in base 2.
+  // Base-2 exponents (exp2_p_flushed, P is rounded to bfloat16): scores times scale log2 e, maxima in
+  // base 2.
   const float scale = b.scale * 1.44269504088896341f;
   for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
     const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
@@ -681,7 +682,7 @@ void attend_direct(const Batch& b, int64_t seq, int64_t g, DirectScratch& w) {
   float* st = w.st.data();
   __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < k_len; ++j) m = _mm512_max_ps(m, _mm512_loadu_ps(st + j * 16));
-  // Base-2 exponents (exp2_p): the output is rounded to bfloat16, so P's 7.5e-5 is plenty.
+  // Base-2 exponents (exp2_p_flushed): the output is rounded to bfloat16, so P's 7.5e-5 is plenty.
   const __m512 vs = _mm512_set1_ps(b.scale * 1.44269504088896341f), ms = _mm512_mul_ps(m, vs);
   __m512 l = _mm512_setzero_ps();
   for (int64_t j = 0; j < k_len; ++j) {
