@@ -196,11 +196,11 @@ def test_the_native_kernel_applies_the_bitmask_as_the_unpacked_mask_does() -> No
 
     logits = torch.randn(4, vocab, generator=gen)
     results = []
-    for mask in (bitmask, additive_on_cpu(bitmask.numpy(), vocab)):
+    for mask, native in ((bitmask, True), (additive_on_cpu(bitmask.numpy(), vocab), False)):
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result((mask, 0.0))
         masked = logits.clone()
-        PendingMasks([0, 2, 3], future).apply(masked)
+        PendingMasks([0, 2, 3], future, native).apply(masked)
         results.append(masked)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0][1], logits[1])
     assert results[0].isinf().any(dim=1).tolist() == [True, False, True, True]

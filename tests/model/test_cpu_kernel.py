@@ -101,6 +101,32 @@ def test_the_callers_subnormals_survive_a_call(isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "lens",
+    [
+        [(1, 64)] * 16,  # a small decode batch: below the work that is shared between threads
+        [(129, 257), (1, 300), (40, 40)],  # enough work for every thread
+    ],
+)
+def test_the_result_does_not_depend_on_the_threads(lens, isa):
+    """A call gives the same bits on one thread as on two, whether its work is small enough to stay on
+    the calling thread or is shared: every (sequence, K/V head, query block) is one thread's alone."""
+    gen = torch.Generator().manual_seed(3)
+    q_lens, k_lens = [a for a, _ in lens], [b for _, b in lens]
+    q = torch.randn(sum(q_lens), 14, 64, generator=gen).bfloat16()
+    kv = torch.randn(sum(k_lens), 4, 64, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(_run(q, kv[:, :2], kv[:, 2:], q_lens, k_lens, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
+@needs_kernel
 def test_kernel_reads_keys_through_the_index(isa):
     """Keys gathered through ``k_index`` (cache slots in any order) equal the same keys in place."""
     gen = torch.Generator().manual_seed(1)

@@ -94,12 +94,15 @@ def _runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
 class PendingMasks:
     """The masks of one step's constrained rows, being computed (see :func:`start_masks`)."""
 
-    def __init__(self, rows: list[int], future: concurrent.futures.Future) -> None:
+    def __init__(
+        self, rows: list[int], future: concurrent.futures.Future, native: bool = False
+    ) -> None:
         self.rows = rows  # the constrained rows of the step's logits, ascending: mask k is row k's
         self._future = future
-        # made now, not in apply(): just after the step's inputs were made the same way, its code is
-        # still in cache (after the forward pass the same call took ~20x as long)
-        self._row_index = torch.tensor(rows)
+        # The native kernel's row index, where it applies (a bitmask left packed on the CPU). Made
+        # now, not in apply(): just after the step's inputs were made the same way, its code is
+        # still in cache (after the forward pass the same call took ~20x as long).
+        self._row_index = torch.tensor(rows) if native else None
         self.compute_s = 0.0  # the worker's time computing (and, on the CPU, unpacking) the masks
         self.wait_s = 0.0  # the part the step waited for (not hidden behind the forward pass)
         self.apply_s = 0.0  # applying them to the constrained rows' logits
@@ -112,9 +115,9 @@ class PendingMasks:
         mask, self.compute_s = self._future.result()
         self.wait_s = time.perf_counter() - start
         start = time.perf_counter()
-        if mask.dtype == torch.int32 and logits.device.type == "cpu":
+        if self._row_index is not None:
             native = token_mask()  # a bitmask left packed on the CPU: the native kernel is there
-            assert native is not None
+            assert native is not None and mask.dtype == torch.int32
             with torch.inference_mode():  # the logits are an inference tensor
                 native(logits, mask, self._row_index)
             self.apply_s = time.perf_counter() - start
@@ -135,9 +138,8 @@ def start_masks(reqs: Sequence[Any], device: torch.device | None = None) -> Pend
     if not rows:
         return None
     on_cpu = device is None or device.type == "cpu"
+    native = on_cpu and token_mask() is not None
     matchers = [reqs[k].grammar for k in rows]
     worker, _ = _pool()
-    future = worker.submit(
-        _compute, matchers, matchers[0].vocab_size, on_cpu and token_mask() is None
-    )
-    return PendingMasks(rows, future)
+    future = worker.submit(_compute, matchers, matchers[0].vocab_size, on_cpu and not native)
+    return PendingMasks(rows, future, native)

@@ -53,6 +53,11 @@ namespace {
 constexpr int kBlockQ = 32;   // query tokens of a work item
 constexpr int kBlockK = 128;  // keys of an online-softmax step (a multiple of 32)
 constexpr int kMaxDirectGroup = 16;  // AMX decode rows: query heads per K/V head that fit 16 columns
+// Calls with less work than this (query rows x keys seen) run on the calling thread alone. Handing
+// work to a second thread cost ~40 us a call on the AMX Xeon (2 threads, a decode batch: 16 rows of
+// 14/2 heads over 64 keys took 36 us on one thread, 50 on two), about one thread's time for this
+// much work: a decode step of small batches and contexts is faster on one thread.
+constexpr int64_t kParallelMinWork = 32768;
 
 using plaserve::exp2_p_flushed;
 using plaserve::FlushDenormals;
@@ -810,7 +815,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  int64_t work = 0;
+  for (const Item& item : items) work += item.cost * (b.heads / b.kv_heads);
+  const int64_t workers = work < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     // No subnormal costs an assist here (P below 2^-126, O and l rescaled by a tiny alpha, products
     // with them), so the exponentials need no hold at -125 either (one instruction of ~23 a key pair):
