@@ -23,7 +23,9 @@ floats, where subnormal ones cost a microcode assist each (10-16x slower before 
 matmuls (``matmul.cpp``): the four projections of 8 layers of the engine_vs_vllm ``small`` model
 (hidden 512, MLP 1,536, GQA 8/2) and of Qwen2.5-0.5B's shapes, each layer its own weights (so they are
 not all in cache, as in a forward pass), at 256-2,048 rows, by one oneDNN call and with the rows split
-between the threads; and the span ``row_split_span`` picks for each weight.
+between the threads; and the span ``row_split_span`` picks for each weight. The AMX linear
+(``amx_linear.cpp``) against oneDNN's packed linear at 1-256 rows, on the same shapes and Qwen2.5-0.5B's
+tied LM head.
 
 Best of 7 each, on every torch thread.
 
@@ -305,6 +307,40 @@ def row_split() -> None:
             print(f"| {k} x {n} | {f'({lo}, {hi}]' if hi else 'never'} |")
 
 
+def amx_linear() -> None:
+    """The AMX linear against oneDNN's packed linear (``mkldnn._linear_pointwise``, the layout it
+    replaced) on decode-sized steps: a layer's four projections, 8 layers each with its own weights
+    (so they stream from memory, as in a decode step), and the tied LM head of Qwen2.5-0.5B."""
+    ops = kernels.amx_linear()
+    if not built(ops, "the AMX linear is"):
+        return
+    from plaserve.model.layers import _packed_linear, _reorder
+
+    print("\n| model | rows | oneDNN packed (ms, 8 layers) | AMX linear (ms) | oneDNN / AMX |")
+    print("|---|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    cases = {**PROJECTIONS, "qwen2.5-0.5b head": [(896, 151936)]}
+    for model, shapes in cases.items():
+        layers = 1 if "head" in model else 8
+        weights = [
+            [torch.randn(n, k, generator=gen).bfloat16() for k, n in shapes] for _ in range(layers)
+        ]
+        onednn = [[_reorder(w) for w in layer] for layer in weights]
+        amx = [[ops.pack(w) for w in layer] for layer in weights]
+        for rows in (1, 16, 64, 256):
+            xs = [torch.randn(rows, k, generator=gen).bfloat16() for k, _ in shapes]
+
+            def run(mine: bool) -> None:
+                for layer in amx if mine else onednn:
+                    for x, w, (_, n) in zip(xs, layer, shapes):
+                        ops.linear(x, w, None, n) if mine else _packed_linear(x, w, None)
+
+            theirs, ours = best_of(lambda: run(False), 5), best_of(lambda: run(True), 5)
+            print(
+                f"| {model} | {rows} | {theirs * 1e3:.2f} | {ours * 1e3:.2f} | {theirs / ours:.2f}x |"
+            )
+
+
 def main() -> int:
     op = kernels.attention_kernel()
     if op is None:
@@ -322,6 +358,7 @@ def main() -> int:
         elementwise()
         token_masks()
         row_split()
+        amx_linear()
     return 0
 
 

@@ -10,6 +10,8 @@ from plaserve.model import kernels, layers
 from plaserve.model.layers import Projection, prepacked_pays, row_split_span
 
 SPLIT = kernels.row_split_mm()
+AMX = kernels.amx_linear()
+needs_amx = pytest.mark.skipif(AMX is None, reason="no AMX linear here (no AMX or no g++)")
 needs_split = pytest.mark.skipif(
     SPLIT is None, reason="the row-split matmul is not built here (no AVX512-BF16 or no g++)"
 )
@@ -28,6 +30,13 @@ def packing(request, monkeypatch):
     return request.param
 
 
+def _packs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a projection of ``weight`` (``[out, in]``) gets a packed copy: the AMX linear's where
+    it takes the shape, else oneDNN's where that pays."""
+    amx = AMX is not None and dtype == torch.bfloat16 and AMX.fits(weight.to(dtype))
+    return amx or layers.prepacked_pays(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projection_equals_its_linears(dtype, bias, packing):
@@ -41,7 +50,7 @@ def test_fused_projection_equals_its_linears(dtype, bias, packing):
     expected = [lin.weight.float().clone() for lin in linears]
     proj = Projection(linears)
     assert proj.transposed  # on CPU
-    assert (proj.packed is not None) == layers.prepacked_pays(dtype)
+    assert (proj.packed is not None) == _packs(proj.weight.T, dtype)
     for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
         assert (
             torch.equal(lin.weight.float(), w)
@@ -87,7 +96,7 @@ def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype,
     assert not proj.transposed and head.weight is emb.weight and emb.weight.is_contiguous()
     assert torch.equal(emb.weight.detach(), before)
     assert proj.weight.data_ptr() == emb.weight.data_ptr()
-    assert (proj.packed is not None) == layers.prepacked_pays(dtype)
+    assert (proj.packed is not None) == _packs(proj.weight, dtype)
     for rows in (1, 16, proj.max_packed_rows + 1):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = nn.functional.linear(x.float(), before.float())
@@ -195,3 +204,62 @@ def test_row_split_span_follows_the_timings(wins, span, monkeypatch):
         assert row_split_span(8, 4, torch.float32, 2) == span
     finally:
         row_split_span.cache_clear()
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias`` in float32, rounded to bfloat16 once."""
+    out = x.float() @ w.float().T
+    return (out if bias is None else out + bias.float()).bfloat16()
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 130])
+@pytest.mark.parametrize("shape", [(80, 96), (768, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_equals_one_rounding_of_the_float32_product(rows, shape, bias):
+    """Every row count (a partial last tile of rows, several tiles), outputs in groups of 64 and a
+    partial last group, with and without bias, x's rows read at a stride (a slice of a wider tensor):
+    the float32 sums rounded once, as torch's linear gives them (at most one bfloat16 step apart where
+    the sums run in another order)."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(rows + n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    wide = torch.randn(rows, k + 32, generator=gen).bfloat16()
+    x = wide[:, 16 : 16 + k]  # each row contiguous, rows k + 32 apart
+    with torch.inference_mode():
+        got = AMX.linear(x, AMX.pack(w), b, n)
+    want = _reference(x, w, b)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+
+
+@needs_amx
+def test_bfloat16_projections_use_the_amx_linear_up_to_their_packed_rows():
+    """A bfloat16 projection whose shape the kernel takes multiplies steps of up to
+    ``max_packed_rows`` rows by the AMX layout (one flat copy), larger ones by the plain weight, and a
+    row that is not contiguous goes the plain way too; all as ``nn.Linear`` does."""
+    gen = torch.Generator().manual_seed(5)
+    lin = nn.Linear(64, 48, bias=True).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+        lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    proj = Projection([lin])
+    assert proj.packed is not None and proj.packed.shape == (48 * 64,)
+    calls = []
+    real = AMX.linear
+    try:
+        AMX.linear = lambda *args: calls.append(args[0].shape[0]) or real(*args)
+        for rows in (1, 16, proj.max_packed_rows + 1):
+            x = torch.randn(rows, 64, generator=gen).bfloat16()
+            torch.testing.assert_close(
+                proj(x).float(), _reference(x, w, b).float(), rtol=2**-7, atol=0.05
+            )
+        strided = torch.randn(64, 3, generator=gen).bfloat16()[:, 0].expand(4, 64)
+        torch.testing.assert_close(
+            proj(strided).float(), _reference(strided, w, b).float(), rtol=2**-7, atol=0.05
+        )
+    finally:
+        AMX.linear = real
+    assert calls == [1, 16]

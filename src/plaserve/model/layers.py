@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -202,10 +203,12 @@ class Projection:
 
     On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
-    hands it, and long prefills as fast. Where :func:`prepacked_pays` (bfloat16 / float16 wherever
-    oneDNN can pack them, float32 where a probe finds it faster on this CPU) steps of up to
-    ``max_packed_rows`` rows multiply by a second copy, prepacked in oneDNN's blocked layout
-    (``mkldnn._linear_pointwise``; these weights then take twice their size). Larger steps whose row
+    hands it, and long prefills as fast. Steps of up to ``max_packed_rows`` rows multiply by a second
+    copy, packed once (these weights then take twice their size): in bfloat16 on CPUs with AMX, in the
+    layout of :func:`plaserve.model.kernels.amx_linear` (a decode step's calls 1.2-1.9x as fast as
+    oneDNN's, docs/BENCHMARKS.md); elsewhere, where :func:`prepacked_pays` (bfloat16 / float16 wherever
+    oneDNN can pack them, float32 where a probe finds it faster on this CPU), in oneDNN's blocked
+    layout (``mkldnn._linear_pointwise``). Larger steps whose row
     count lies in :func:`row_split_span` multiply with their rows split between the threads.
     Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
 
@@ -238,7 +241,15 @@ class Projection:
                 )
             on_cpu = weight.device.type == "cpu"
             self.transposed = on_cpu and not shared
-            self.packed = _reorder(weight) if on_cpu and prepacked_pays(weight.dtype) else None
+            amx = kernels.amx_linear() if on_cpu and weight.dtype == torch.bfloat16 else None
+            self.packed: torch.Tensor | None = None
+            self._packed_call: Callable[[torch.Tensor], torch.Tensor] | None = None
+            if amx is not None and amx.fits(weight):
+                packed, n = amx.pack(weight.contiguous()), weight.shape[0]
+                self.packed, self._packed_call = packed, lambda x: amx.linear(x, packed, bias, n)
+            elif on_cpu and prepacked_pays(weight.dtype):
+                packed = _reorder(weight)
+                self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)
             self.max_packed_rows = (
                 self.PACKED_MAX_ROWS if weight.dtype == torch.float32 else self.PACKED_MAX_ROWS_HALF
             )
@@ -264,8 +275,13 @@ class Projection:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= self.max_packed_rows:
-            return _packed_linear(x, self.packed, self.bias)
+        if (
+            self._packed_call is not None
+            and x.shape[0] <= self.max_packed_rows
+            and x.dim() == 2
+            and x.stride(-1) == 1
+        ):
+            return self._packed_call(x)
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
         lo, hi = self.split_span

@@ -10,6 +10,8 @@
   (``token_mask.cpp``), or None.
 * ``row_split_mm()``: a matmul with its rows split between the threads, one single-threaded oneDNN
   call each (``matmul.cpp``), or None; ``model/layers.py`` times it against the plain matmul.
+* ``amx_linear()``: a bfloat16 linear layer on AMX tiles over a weight in its own packed layout
+  (``amx_linear.cpp``), or None; ``model/layers.py`` uses it for steps of up to a few hundred rows.
 * ``kv_writer()``: a step's new K and V rows into the paged cache in one call (``kv_write.cpp``), or
   None.
 
@@ -262,6 +264,47 @@ def token_mask() -> Callable[..., None] | None:
         log.warning("CPU token-mask kernel: disagrees with the unpacked masks here; not used")
         return None
     return op
+
+
+class AmxLinear:
+    """``pack(w)`` lays a bfloat16 weight ``[N, K]`` (N a multiple of 16, K of 32) out for
+    ``linear(x, packed, bias, n)``: ``x @ w.T + bias`` on AMX tiles, rounded once (amx_linear.cpp)."""
+
+    def __init__(self) -> None:
+        ops = torch.ops.plaserve_linear
+        self.pack: Callable[[torch.Tensor], torch.Tensor] = ops.pack
+        self.linear: Callable[..., torch.Tensor] = ops.linear.default
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` has a shape and dtype the kernel takes."""
+        n, k = weight.shape
+        return weight.dtype == torch.bfloat16 and n % 16 == 0 and k % 32 == 0
+
+
+@functools.cache
+def amx_linear() -> AmxLinear | None:
+    """The AMX linear layer where the CPU has AMX, it is built and it agrees here with torch's
+    ``F.linear`` (same float32 sums, rounded once: to the last bit or one rounding step), else None."""
+    if not _loaded("amx_linear.cpp", "CPU AMX linear", (AMX_FLAGS,)):
+        return None
+    if not torch.ops.plaserve_linear.available():
+        log.info("CPU AMX linear: not used (no AMX here)")
+        return None
+    ops = AmxLinear()
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(80, 96, generator=gen).bfloat16()
+    bias = torch.randn(80, generator=gen).bfloat16()
+    with torch.inference_mode():
+        packed = ops.pack(w)
+        for rows in (1, 17, 40):
+            x = torch.randn(rows, 96, generator=gen).bfloat16()
+            want = (x.float() @ w.float().T + bias.float()).bfloat16().float()
+            got = ops.linear(x, packed, bias, 80).float()
+            if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
+                log.warning("CPU AMX linear: disagrees with torch here; not used")
+                return None
+    return ops
 
 
 @functools.cache
