@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from plaserve.grammar.masks import additive_on_cpu
 from plaserve.model import fused, kernels
 from plaserve.model.attention import AttentionMetadata, attention
-from plaserve.model.layers import row_split_span
+from plaserve.model.layers import _packed_linear, _reorder, row_split_span
 
 
 def built(op: object, what: str) -> bool:
@@ -314,8 +314,6 @@ def amx_linear() -> None:
     ops = kernels.amx_linear()
     if not built(ops, "the AMX linear is"):
         return
-    from plaserve.model.layers import _packed_linear, _reorder
-
     print("\n| model | rows | oneDNN packed (ms, 8 layers) | AMX linear (ms) | oneDNN / AMX |")
     print("|---|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)

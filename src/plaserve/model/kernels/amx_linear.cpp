@@ -12,11 +12,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -26,30 +25,12 @@ namespace {
 
 constexpr int kGroup = 4;  // 16-output blocks a thread takes at a time (C tiles 0-3)
 
-// The CPU has AMX, the OS saves its state, and Linux lets this process use it (asked once a process).
-bool amx_available() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
 bool available() {
-  static const bool ok = amx_available();
+  static const bool ok = plaserve::amx_available();
   return ok;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using plaserve::TileConfig;
 
 // C tiles 0-3 (rows x 16 float32) and the A tile 4 (rows x 32 bfloat16) hold `rows` rows of x; the B
 // tiles 5-7, 16 K-pairs.

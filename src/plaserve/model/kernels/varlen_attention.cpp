@@ -42,9 +42,7 @@
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #define PLASERVE_AMX 1
 #endif
 
@@ -312,29 +310,11 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
 }
 
 #ifdef PLASERVE_AMX
-// The CPU has AMX, the OS saves its state, and Linux let this process use it (a permission asked for
-// once a process; torch's oneDNN asks for the same).
-bool amx_available() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  if (!tile || !bf16) return false;
-  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-  unsigned lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;  // XTILECFG and XTILEDATA enabled
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+using plaserve::amx_available;
+using plaserve::TileConfig;
 
 std::atomic<bool> g_use_amx{amx_available()};
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Each thread loads the configuration when it starts on a call's items (oneDNN's kernels, which run on
 // the same threads, configure the tiles their own way in between) and releases the tiles after.
