@@ -43,6 +43,7 @@ import plaserve  # noqa: F401  # isort: skip  (before torch: it sets OpenMP's sp
 import torch
 import torch.nn.functional as F
 
+from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.grammar.masks import additive_on_cpu
 from plaserve.model import fused, kernels
 from plaserve.model.attention import AttentionMetadata, attention
@@ -314,6 +315,10 @@ def amx_linear() -> None:
     ops = kernels.amx_linear()
     if not built(ops, "the AMX linear is"):
         return
+    # As the engine runs it: freed activations stay in the heap. Without this, every call's output is
+    # fresh pages, and the AMX linear, whose threads write it in column strips across all rows, took
+    # 166 ms for 256 rows of the head (a 78 MB output) against oneDNN's 29 (2026-12-03 22:28).
+    keep_freed_memory()
     print("\n| model | rows | oneDNN packed (ms, 8 layers) | AMX linear (ms) | oneDNN / AMX |")
     print("|---|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
