@@ -75,6 +75,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -760,6 +761,9 @@ def run_benchmark(
 def _num(x: float | None, digits: int = 0) -> str:
     if x is not None and digits == 0 and abs(x) < 10:
         digits = 1  # a whole number would hide a 2x difference between 2 and 3 tokens/s
+    if x is not None and 0 < abs(x) < 1:
+        # two significant digits: a quick run's burst takes 0.04 s, which one decimal prints as 0.0
+        digits = max(digits, 1 - math.floor(math.log10(abs(x))))
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
