@@ -273,6 +273,7 @@ class AmxLinear:
     def __init__(self) -> None:
         ops = torch.ops.plaserve_linear
         self.pack: Callable[[torch.Tensor], torch.Tensor] = ops.pack
+        # the overload itself: a projection calls it for every step (no overload resolution)
         self.linear: Callable[..., torch.Tensor] = ops.linear.default
 
     @staticmethod

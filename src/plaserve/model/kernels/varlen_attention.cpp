@@ -315,7 +315,6 @@ using plaserve::TileConfig;
 
 std::atomic<bool> g_use_amx{amx_available()};
 
-
 // Each thread loads the configuration when it starts on a call's items (oneDNN's kernels, which run on
 // the same threads, configure the tiles their own way in between) and releases the tiles after.
 void load_tiles() {
@@ -783,20 +782,21 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     int64_t seq, head, q0, cost;
   };
   std::vector<Item> items;
+  int64_t work = 0;  // query rows x keys seen, over all items
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t q_len = b.q_starts[s + 1] - b.q_starts[s];
     const int64_t offset = (b.k_starts[s + 1] - b.k_starts[s]) - q_len;
-    for (int64_t q0 = 0; q0 < q_len; q0 += kBlockQ)
-      for (int64_t g = 0; g < b.kv_heads; ++g)
-        items.push_back({s, g, q0, std::min<int64_t>(kBlockQ, q_len - q0) *
-                                       (offset + std::min<int64_t>(q0 + kBlockQ, q_len))});
+    for (int64_t q0 = 0; q0 < q_len; q0 += kBlockQ) {
+      const int64_t cost =
+          std::min<int64_t>(kBlockQ, q_len - q0) * (offset + std::min<int64_t>(q0 + kBlockQ, q_len));
+      for (int64_t g = 0; g < b.kv_heads; ++g) items.push_back({s, g, q0, cost});
+      work += cost * b.heads;  // every query head of every K/V head
+    }
   }
   std::stable_sort(items.begin(), items.end(),
                    [](const Item& x, const Item& y) { return x.cost > y.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(items.size());
-  int64_t work = 0;
-  for (const Item& item : items) work += item.cost * (b.heads / b.kv_heads);
   const int64_t workers = work < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), n);
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     // No subnormal costs an assist here (P below 2^-126, O and l rescaled by a tiny alpha, products
