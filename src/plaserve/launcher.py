@@ -111,7 +111,11 @@ class PlaserveProcess:
         return env
 
     def start(self) -> "PlaserveProcess":
-        """Launch the server and block until ``/health`` answers 200."""
+        """Launch the server and block until ``/health`` answers 200. Once only: a second child on the
+        same port would fail to bind while the first answered its health checks, and ``stop`` would
+        then stop the second and leave the first running."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.label} was started already")
         self.proc = subprocess.Popen(
             self.command(),
             stdout=self._log,
@@ -173,7 +177,9 @@ class PlaserveProcess:
             return f.read()
 
     def __enter__(self) -> "PlaserveProcess":
-        return self.start()
+        """Starts the server unless :meth:`start` did already (``with ServerProcess(...).start() as p``
+        works as well as ``with ServerProcess(...) as p``)."""
+        return self if self.proc is not None else self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
