@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from plaserve.cost import CostModel, OnlineCostModel, fit, fit_quality
+from plaserve.cost import (
+    CostModel,
+    OnlineCostModel,
+    chunk_size_for,
+    fit,
+    fit_quality,
+    with_step_cost,
+)
 from plaserve.model.default import DEFAULT_CONFIG
 
 
@@ -103,3 +110,17 @@ def test_step_time_ratio_reports_how_far_steps_run_from_the_prediction():
     while engine.has_unfinished():
         engine.step()
     assert engine.load_report()["step_time_over_predicted"] == pytest.approx(1.5)
+
+
+def test_the_start_up_model_takes_its_step_and_token_costs_from_two_timed_passes():
+    flops = CostModel(g1=1e-5, g2=2e-9, g3=3e-7)
+    true = CostModel(g1=4e-5, g2=2e-9, g3=3e-7, c0=5e-3)
+    timed = with_step_cost(flops, {n: true.prefill_time(n) for n in (16, 512)})
+    assert timed.source == "warm-up" and (timed.g2, timed.g3) == (flops.g2, flops.g3)
+    assert timed.g1 == pytest.approx(4e-5) and timed.c0 == pytest.approx(5e-3)
+    # a step worth ~125 tokens: pla's long chunks grow from the short threshold, as once refitted
+    assert chunk_size_for(flops, 512, 2048, 0.5) == 512
+    assert chunk_size_for(timed, 512, 2048, 0.5) == 2048
+    # a clock on which the longer pass was not slower: the FLOP count's g1, the rest as step cost
+    noisy = with_step_cost(flops, {16: 0.01, 512: 0.009})
+    assert noisy.g1 == flops.g1 and noisy.c0 == pytest.approx(0.01 - flops.prefill_time(16))

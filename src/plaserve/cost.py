@@ -33,7 +33,9 @@ class CostModel:
     g2: float  # per causal query-key pair
     g3: float = 0.0  # per cached token read
     c0: float = 0.0  # per call
-    source: str = "flops"  # "flops" (from FLOP counts), "profile" (measured) or "online" (refitted)
+    # "flops" (from FLOP counts), "warm-up" (those, with the per-step and per-token costs timed at
+    # start-up: with_step_cost), "profile" (measured) or "online" (refitted)
+    source: str = "flops"
 
     def prefill_time(self, n: int, h: int = 0) -> float:
         """Seconds to prefill ``n`` new tokens after ``h`` cached ones."""
@@ -61,6 +63,28 @@ class CostModel:
         # QK^T and PV: 2 FLOPs per multiply-add each, over every head and layer.
         pair = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
         return cls(g1=linear / rate, g2=pair / rate, source="flops")
+
+
+def with_step_cost(cost: CostModel, timings: dict[int, float]) -> CostModel:
+    """``cost`` with its per-step cost ``c0`` and per-token cost ``g1`` fitted to ``timings`` (the
+    seconds one forward pass took to prefill ``n`` tokens, by ``n``: the shortest and the longest are
+    used), its attention and cache terms kept.
+
+    The FLOP-count model has no per-step cost at all, yet on a CPU a step's fixed cost is worth ~100
+    tokens of prefill (docs/POLICIES.md): until the online refit has its samples, pla would cut long
+    prompts into chunks a quarter of the size the refitted model picks and size its short batches by
+    a step that seems free. Two timed forward passes at start-up give the first model both numbers.
+    Where the longer pass was not slower (a noisy clock) ``g1`` stays the FLOP count's."""
+    (n0, t0), (n1, t1) = min(timings.items()), max(timings.items())
+
+    def linear(n: int, t: float) -> float:  # the time that is not attention
+        return t - cost.g2 * n * n / 2
+
+    g1 = (linear(n1, t1) - linear(n0, t0)) / (n1 - n0) if n1 > n0 else 0.0
+    if g1 <= 0:
+        g1 = cost.g1
+    c0 = max(0.0, linear(n0, t0) - g1 * n0)
+    return CostModel(g1=g1, g2=cost.g2, g3=cost.g3, c0=c0, source="warm-up")
 
 
 # The most of a chunk's time its step's fixed cost (the cost model's ``c0``) may take.

@@ -212,7 +212,11 @@ def test_bad_prompts_are_refused(llama_ckpt):
 
 def test_warm_up_leaves_no_trace(llama_ckpt, alone):
     engine = make_engine(llama_ckpt, max_num_batched_tokens=512)
+    assert engine.cost.source == "flops" and engine.cost.c0 == 0
     engine.warm_up()
+    # the start-up model's step cost is timed; the scheduler and the online refit start from it
+    assert engine.cost.source == "warm-up" and engine.cost.c0 > 0
+    assert engine.scheduler.cost is engine.cost and engine.online.model is engine.cost
     assert (
         engine.num_steps == 0
         and engine.allocator.num_used_blocks == 0

@@ -10,7 +10,13 @@ from typing import Callable, Protocol
 import torch
 
 from plaserve.config import EngineConfig
-from plaserve.cost import CostModel, OnlineCostModel, StepTimeRatio, measure_peak_flops
+from plaserve.cost import (
+    CostModel,
+    OnlineCostModel,
+    StepTimeRatio,
+    measure_peak_flops,
+    with_step_cost,
+)
 from plaserve.engine.graphs import decode_grid_shapes
 from plaserve.engine.host_memory import keep_freed_memory
 from plaserve.engine.kv_cache import allocate_kv_tensors, available_memory, parse_memory
@@ -179,18 +185,47 @@ class LLMEngine:
         # Prefill/decode disaggregation: parked exports and imports of KV blocks (docs/PD.md).
         self.kv_handoff = KVHandoff(self)
 
+    # Prompt lengths whose forward passes warm_up times for the start-up cost model (with_step_cost).
+    WARM_UP_TIMED = (16, 512)
+
     def warm_up(self) -> None:
         """Run one throwaway step of a full token budget (and a decode) before serving, so that the
         first requests do not pay for first-call costs, and build the grammar engine's tokenizer
         index (~0.3 s for 32k ids), which the first request with structured outputs would otherwise
-        wait for. Touches no request, block or counter; does nothing with a model-free runner."""
-        if isinstance(self.runner, ModelRunner):
-            try:
-                self.grammars.index  # noqa: B018 - built on first access
-            except GrammarError as e:  # the model serves; its structured-output requests get 400s
-                log.warning("structured outputs unavailable: %s", e)
-            budget = self.config.scheduler.max_num_batched_tokens
-            self.runner.warm_up(max(1, min(budget, self.max_model_len - 1)))
+        wait for. Where the cost model is the FLOP count's and refits online, also time forward
+        passes of ``WARM_UP_TIMED`` tokens (best of 3, ~0.1 s for 25 M parameters, ~1 s for 0.5 B
+        on a CPU) and schedule by their per-step and per-token costs
+        (:func:`~plaserve.cost.with_step_cost`) until the online refit takes over. Touches no
+        request, block or counter; does nothing with a model-free runner."""
+        if not isinstance(self.runner, ModelRunner):
+            return
+        try:
+            self.grammars.index  # noqa: B018 - built on first access
+        except GrammarError as e:  # the model serves; its structured-output requests get 400s
+            log.warning("structured outputs unavailable: %s", e)
+        budget = max(1, min(self.config.scheduler.max_num_batched_tokens, self.max_model_len - 1))
+        self.runner.warm_up(budget)
+        if self.cost.source != "flops" or self.online is None:
+            return
+        best: dict[int, float] = {}
+        for _ in range(3):  # alternating, best of each: the others' work only adds time
+            for n in {min(n, budget) for n in self.WARM_UP_TIMED}:
+                start = time.perf_counter()
+                self.runner.warm_up(n)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best[n] = min(best.get(n, float("inf")), time.perf_counter() - start)
+        if len(best) < 2:
+            return
+        self.set_cost_model(with_step_cost(self.cost, best))
+        log.info("start-up cost model: %s", self.cost.as_dict())
+
+    def set_cost_model(self, cost: CostModel) -> None:
+        """Schedule by ``cost`` from now on; the online refit (where on) starts from it."""
+        self.cost = cost
+        self.scheduler.set_cost_model(cost)
+        if self.online is not None:
+            self.online.model = cost
 
     def _static_token_budget(self) -> int:
         """Tokens one padded static batch may hold so that its activations fit ``cuda_graph_memory``
@@ -467,8 +502,7 @@ class LLMEngine:
             # Prefill-only steps: decode steps follow other costs (memory traffic, per-step overhead).
             self.online.observe(work, end - start)
             if self.online.model is not self.cost:
-                self.cost = self.online.model
-                self.scheduler.set_cost_model(self.cost)
+                self.set_cost_model(self.online.model)
         self.num_steps += 1
         self.num_preemptions += len(batch.preempted)
         return self._process_samples(batch, sampled, end)
