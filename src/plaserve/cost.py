@@ -72,8 +72,8 @@ def with_step_cost(cost: CostModel, timings: dict[int, float]) -> CostModel:
 
     The FLOP-count model has no per-step cost at all, yet on a CPU a step's fixed cost is worth ~100
     tokens of prefill (docs/POLICIES.md): until the online refit has its samples, pla would cut long
-    prompts into chunks a quarter of the size the refitted model picks and size its short batches by
-    a step that seems free. Two timed forward passes at start-up give the first model both numbers.
+    prompts into smaller chunks than the refitted model picks and size its short batches by a step
+    that seems free. Two timed forward passes at start-up give the first model both numbers.
     Where the longer pass was not slower (a noisy clock) ``g1`` stays the FLOP count's."""
     (n0, t0), (n1, t1) = min(timings.items()), max(timings.items())
 

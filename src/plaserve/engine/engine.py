@@ -193,9 +193,8 @@ class LLMEngine:
         first requests do not pay for first-call costs, and build the grammar engine's tokenizer
         index (~0.3 s for 32k ids), which the first request with structured outputs would otherwise
         wait for. Where the cost model is the FLOP count's and refits online, also time forward
-        passes of ``WARM_UP_TIMED`` tokens (best of 3, ~0.1 s for 25 M parameters, ~1 s for 0.5 B
-        on a CPU) and schedule by their per-step and per-token costs
-        (:func:`~plaserve.cost.with_step_cost`) until the online refit takes over. Touches no
+        passes of ``WARM_UP_TIMED`` tokens (best of 3) and schedule by their per-step and per-token
+        costs (:func:`~plaserve.cost.with_step_cost`) until the online refit takes over. Touches no
         request, block or counter; does nothing with a model-free runner."""
         if not isinstance(self.runner, ModelRunner):
             return
