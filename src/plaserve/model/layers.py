@@ -205,8 +205,8 @@ class Projection:
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
     hands it, and long prefills as fast. Steps of up to ``max_packed_rows`` rows multiply by a second
     copy, packed once (these weights then take twice their size): in bfloat16 on CPUs with AMX, in the
-    layout of :func:`plaserve.model.kernels.amx_linear` (a decode step's calls 1.15-1.7x as fast as
-    oneDNN's, docs/BENCHMARKS.md); elsewhere, where :func:`prepacked_pays` (bfloat16 / float16 wherever
+    layout of :func:`plaserve.model.kernels.amx_linear` (faster than oneDNN's on decode-sized
+    steps, docs/BENCHMARKS.md); elsewhere, where :func:`prepacked_pays` (bfloat16 / float16 wherever
     oneDNN can pack them, float32 where a probe finds it faster on this CPU), in oneDNN's blocked
     layout (``mkldnn._linear_pointwise``). Larger steps whose row
     count lies in :func:`row_split_span` multiply with their rows split between the threads.
