@@ -2,10 +2,10 @@
 the time goes (torch profiler) -- the burst without HTTP (docs/BENCHMARKS.md).
 
 The Azure conversation trace rows 840-899, lengths x 0.25, outputs <= 32, all at once; random prompt
-ids; max-num-seqs 64, max-num-batched-tokens 2048, as the served run. Three runs (the first warms
-up), the third profiled.
+ids; max-num-seqs 64, max-num-batched-tokens 2048, as the served run. A burst warms up, ``--runs`` more are timed,
+then one is profiled.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/burst_profile.py [--policy fcfs] [--model DIR]
+    PYTHONPATH=src .venv/bin/python benchmarks/burst_profile.py [--policy fcfs] [--model DIR] [--runs N]
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the embedded model)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--trace", default="/work/shared/traces/azure_conv_2023.csv")
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="timed bursts before the profiled one (all walls printed)",
+    )
     args = p.parse_args()
     reqs = load_trace(args.trace, start=840, limit=60, length_scale=0.25, max_output_tokens=32)
     engine = LLMEngine(
@@ -70,7 +76,10 @@ def main() -> int:
         f"{sum(r.output_tokens for r in reqs)} output tokens; policy {args.policy}, {engine.dtype}\n"
     )
     run()
-    wall, steps = run()
+    walls = []
+    for _ in range(args.runs):
+        wall, steps = run()
+        walls.append(wall)
     with profile() as prof:
         profiled, _ = run()
     kinds: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0, 0])
@@ -78,7 +87,10 @@ def main() -> int:
         kind = "prefill" * bool(prefill) + "+decode" * bool(decode) or "empty"
         k = kinds[kind]
         k[0], k[1], k[2], k[3] = k[0] + 1, k[1] + took, k[2] + prefill, k[3] + decode
-    print(f"wall {wall:.2f} s ({profiled:.2f} s profiled), {len(steps)} steps\n")
+    print(
+        f"wall {' / '.join(f'{w:.2f}' for w in walls)} s ({profiled:.2f} s profiled), "
+        f"{len(steps)} steps (the last timed burst's below)\n"
+    )
     print("| steps | n | s | prefill tokens | decode rows | ms a step |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind, (n, took, prefill, decode) in kinds.items():

@@ -193,6 +193,28 @@ def test_long_chunk_stretch_counts_uncached_tokens_and_keeps_to_the_step_budget(
     assert engine.scheduler.longs.chunk_budget([req]) == 512  # 600 would exceed the step budget
 
 
+@pytest.mark.parametrize("shorts_keep_coming", [False, True])
+def test_long_requests_fill_a_chunk_once_shorts_stop_coming(shorts_keep_coming):
+    # Two long prompts of 600 and 700 tokens, chunks of 1,024. After a burst of shorts, served, the
+    # second fills what the first leaves of the chunk (as fcfs fills its step); while shorts keep
+    # arriving every 20 ms each chunk holds one request, so the shorts never wait behind the second
+    # started early, nor the long requests arriving later behind it under way.
+    engine, clock, runner = sim_engine(policy="pla", long_chunk_size=1024, short_threshold=512)
+    shorts = [A(0.02 * i, 100, 1) for i in range(150 if shorts_keep_coming else 8)]
+    arrivals = sorted(shorts + [A(1.0, 600, 1), A(1.0, 700, 1)], key=lambda a: a.arrival)
+    reqs = replay(engine, clock, arrivals)
+    first, second = [r for r in reqs if r.num_prompt_tokens >= 600]
+    chunks = [n for _, _, n in second.metrics.prefill_chunks]
+    longs = [b for _, _, b in runner.batches if b.kind == "long"]
+    if shorts_keep_coming:
+        assert all(sum(it.num_tokens > 1 for it in b.items) == 1 for b in longs)
+        assert chunks == [700]
+    else:
+        assert [n for _, _, n in first.metrics.prefill_chunks] == [600]
+        assert chunks == [424, 276]
+        assert first.metrics.prefill_chunks[0][0] == second.metrics.prefill_chunks[0][0]
+
+
 def carries_decodes(batch) -> bool:
     return any(it.num_tokens == 1 and it.request.output_token_ids for it in batch.items)
 

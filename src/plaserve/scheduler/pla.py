@@ -18,9 +18,13 @@ from plaserve.scheduler.base import BatchItem, ScheduledBatch, Scheduler
 from plaserve.scheduler.busy import BusyMeter
 from plaserve.scheduler.cadence import Cadence
 from plaserve.scheduler.compose import Composer, Decision, StaticComposer, VarlenComposer
-from plaserve.scheduler.deadlines import DeadlinePlan
+from plaserve.scheduler.deadlines import DeadlinePlan, tokens_left
 from plaserve.scheduler.long_queue import LongQueue
 from plaserve.scheduler.short_queue import ShortBatch, ShortQueue
+
+# Short arrivals count as paused after this many of their mean gaps without one (and a chunk's time):
+# a steady stream leaves a gap that long exp(-3), 5 %, of the time.
+QUIET_GAPS = 3.0
 
 
 class PlaScheduler(Scheduler):
@@ -198,15 +202,32 @@ class PlaScheduler(Scheduler):
         super().on_batch_done(batch, start, end)
         self.busy.record(start, end)
 
+    def shorts_quiet(self, now: float) -> bool:
+        """Whether short requests have stopped coming for now: none waits, and none has arrived for
+        :data:`QUIET_GAPS` of their mean gaps, nor for as long as a long chunk is predicted to take
+        (as after a burst's shorts are served)."""
+        if any(r.length_class == "short" for r in self.waiting):
+            return False
+        chunk_time = self.cost.prefill_time(self.longs.chunk_size)
+        return self.shorts.window.quiet(now, QUIET_GAPS, chunk_time)
+
     def long_step(self, plan: DeadlinePlan, decodes: list[Request]) -> ScheduledBatch:
         """One chunk (:meth:`LongQueue.chunk_budget`) of the request at the head of the long queue, with
-        ``decodes`` riding along. A chunk holds that one request: topping a partial last chunk up from
-        the next request only starts that one early, to wait half done behind the shorts (docs/POLICIES.md
-        says what dropping the top-up changed)."""
+        ``decodes`` riding along. Where short requests keep coming, the chunk holds that one request:
+        topping a partial last chunk up from the next one starts that one early only for it to wait
+        half done behind the shorts, and it then goes, under way, before the shorter long requests
+        that arrive after it. Where they have stopped coming (:meth:`shorts_quiet`), the next long
+        requests fill what the head leaves of the chunk, each only if that leaves it at most a chunk
+        to go: two prompts of 1,000 tokens in one step cost much less than two steps of 1,000 (the
+        step's fixed cost, the matmuls' rows; docs/POLICIES.md, "Topping a long chunk up")."""
         items: list[BatchItem] = []
         preempted: list[Request] = []
         queue = self.longs.order(self.running, self.waiting, plan)
-        self.pack(
-            queue[:1], self.longs.chunk_budget(queue, self.light_load(plan.now)), items, preempted
-        )
+        budget = self.longs.chunk_budget(queue, self.light_load(plan.now))
+        budget = self.pack(queue[:1], budget, items, preempted)
+        if self.shorts_quiet(plan.now):
+            for req in queue[1:]:
+                if budget == 0 or tokens_left(req)[0] - budget > self.longs.chunk_size:
+                    break
+                budget = self.pack([req], budget, items, preempted)
         return self.with_decodes(ScheduledBatch(items, kind="long", preempted=preempted), decodes)

@@ -40,3 +40,10 @@ class AdaptiveWindow:
             return 0.0
         fill_time = (batch_target - queued) * self.mean_gap
         return max(fill_time, self.w_min) if fill_time <= self.w_max else 0.0
+
+    def quiet(self, now: float, gaps: float, floor: float = 0.0) -> bool:
+        """Whether short arrivals have paused at ``now``: none for ``gaps`` mean gaps, ``W_max`` and
+        ``floor`` seconds since the last one. False until a rate is known (two have arrived)."""
+        if self.mean_gap is None or self.last_arrival is None:
+            return False
+        return now - self.last_arrival > max(gaps * self.mean_gap, self.w_max, floor)
