@@ -26,16 +26,16 @@ _WHERE = {
 
 
 # How long torch's OpenMP threads (GNU libgomp) spin at a barrier before they sleep, in ``pause``
-# iterations: ~1.5 ms on the AVX512-BF16 EPYC (~30 ns each, measured), ~3.5 ms on the AMX Xeons
-# (estimated from their ~140-cycle pause). Long
-# enough that a step's parallel regions, with Python between them, find the threads awake (asleep, each
-# region waits ~100 us for a futex wake: decode ran 2-2.6x slower), short enough that idle threads stop
-# burning cores within a few ms (libgomp's default, 300,000, spun ~20 ms on the Xeons and, on a busy
-# machine, took the cores the stepping thread needed). libgomp reads it once, as torch loads it, which
+# iterations: ~2 ms on the AMX Xeon (measured by benchmarks/omp_spin.py; ~4.5 ms on the AVX512-BF16
+# EPYC at its ~30 ns a pause). Long enough that a step's parallel regions, with Python between them,
+# find the threads awake (asleep, each region waits ~100 us for a futex wake: decode ran 2-2.6x
+# slower), and that through the server, where the HTTP side and the clients stretch those gaps, a
+# burst still finds them awake (50,000, ~1 ms, made the served burst ~6 % slower); short enough that
+# idle threads stop burning cores within a few ms. libgomp reads it once, as torch loads it, which
 # is why it is set here, on ``import plaserve``, where torch is not loaded yet; the user's
 # ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` stands. Where torch came first, ``engine/omp_spin.py``
 # does what it can. docs/ARCHITECTURE.md, "CPU specifics".
-OPENMP_SPIN_COUNT = 50_000
+OPENMP_SPIN_COUNT = 150_000
 OPENMP_SPIN_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")  # either one decides the spin
 OPENMP_SPIN_COUNT_SET = "torch" not in sys.modules and not any(
     os.environ.get(v) for v in OPENMP_SPIN_SETTINGS

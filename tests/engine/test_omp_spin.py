@@ -105,8 +105,8 @@ def probe(script: str, **env: str) -> list[str]:
 @openmp_on_linux
 def test_import_plaserve_before_torch_bounds_the_idle_spin():
     count, set_here, spin_ms = probe(IDLE_SPIN, FIRST="plaserve")
-    assert (count, set_here) == ("50000", "True")
-    # ~1.5 ms on the EPYC, ~3.5 ms on the AMX Xeons, of the 100 ms the main thread slept
+    assert (count, set_here) == ("150000", "True")
+    # ~2 ms on the AMX Xeon, ~4.5 ms on the EPYC, of the 100 ms the main thread slept
     assert float(spin_ms) < 30, spin_ms
     # A wait policy of the user's stands, and the same probe sees the team thread spin through.
     count, set_here, spin_ms = probe(IDLE_SPIN, FIRST="plaserve", OMP_WAIT_POLICY="active")
