@@ -17,8 +17,8 @@
 //   OMP_NUM_THREADS=1 /tmp/amx_tile_loads; OMP_NUM_THREADS=2 /tmp/amx_tile_loads
 #include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "../src/plaserve/model/kernels/amx.h"
 
 #include <chrono>
 #include <cstdint>
@@ -26,13 +26,6 @@
 #include <vector>
 
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 constexpr long kIterations = 2000000;
 constexpr int kRing = 4;  // tiles a stream cycles through: 4 KB a stream, in L1
@@ -88,8 +81,7 @@ void run(int pattern, const uint16_t* buf) {
 }  // namespace
 
 int main() {
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  if (syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) != 0) {
+  if (!plaserve::amx_available()) {
     std::printf("no AMX for this process\n");
     return 1;
   }
@@ -97,7 +89,7 @@ int main() {
   for (int pattern = 0; pattern < 5; ++pattern) {
 #pragma omp parallel
     {
-      TileConfig cfg;
+      plaserve::TileConfig cfg;
       for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
       _tile_loadconfig(&cfg);
       _tile_zero(0);

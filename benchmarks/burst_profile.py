@@ -2,8 +2,8 @@
 the time goes (torch profiler) -- the burst without HTTP (docs/BENCHMARKS.md).
 
 The Azure conversation trace rows 840-899, lengths x 0.25, outputs <= 32, all at once; random prompt
-ids; max-num-seqs 64, max-num-batched-tokens 2048, as the served run. A burst warms up, ``--runs`` more are timed,
-then one is profiled.
+ids; max-num-seqs 64, max-num-batched-tokens 2048, as the served run. A burst warms up, ``--runs``
+more are timed, then one is profiled.
 
     PYTHONPATH=src .venv/bin/python benchmarks/burst_profile.py [--policy fcfs] [--model DIR] [--runs N]
 """

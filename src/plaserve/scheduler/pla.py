@@ -91,6 +91,10 @@ class PlaScheduler(Scheduler):
     def decoding(self) -> list[Request]:
         return [r for r in self.running if not r.in_prefill]
 
+    def short_waits(self) -> bool:
+        """Whether any short request is waiting."""
+        return any(r.length_class == "short" for r in self.waiting)
+
     def long_pending(self) -> bool:
         """Whether any long prefill is waiting or under way."""
         return any(r.length_class == "long" for r in self.waiting) or any(
@@ -193,7 +197,7 @@ class PlaScheduler(Scheduler):
         and on a machine this idle few arrive meanwhile. In a busy spell chunks stay on, as the next
         short is likely to arrive while a whole prompt would hold the machine. docs/POLICIES.md ("The
         light-load threshold at 0.5") says why it is 0.5 and what the rules tried beside it changed."""
-        if any(r.length_class == "short" for r in self.waiting):
+        if self.short_waits():
             return False
         share = self.busy.share(now)
         return share is not None and share < self.config.light_load
@@ -206,7 +210,7 @@ class PlaScheduler(Scheduler):
         """Whether short requests have stopped coming for now: none waits, and none has arrived for
         :data:`QUIET_GAPS` of their mean gaps, nor for as long as a long chunk is predicted to take
         (as after a burst's shorts are served)."""
-        if any(r.length_class == "short" for r in self.waiting):
+        if self.short_waits():
             return False
         chunk_time = self.cost.prefill_time(self.longs.chunk_size)
         return self.shorts.window.quiet(now, QUIET_GAPS, chunk_time)
