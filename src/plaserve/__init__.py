@@ -26,8 +26,8 @@ _WHERE = {
 
 
 # How long torch's OpenMP threads (GNU libgomp) spin at a barrier before they sleep, in ``pause``
-# iterations: ~2 ms on the AMX Xeon (measured by benchmarks/omp_spin.py; ~4.5 ms on the AVX512-BF16
-# EPYC at its ~30 ns a pause). Long enough that a step's parallel regions, with Python between them,
+# iterations: ~2 ms on the AMX Xeon (measured by benchmarks/omp_spin.py; a pause's length differs
+# between CPUs, so elsewhere it differs too). Long enough that a step's parallel regions, with Python between them,
 # find the threads awake (asleep, each region waits ~100 us for a futex wake: decode ran 2-2.6x
 # slower), and that through the server, where the HTTP side and the clients stretch those gaps, a
 # burst still finds them awake (50,000, ~1 ms, made the served burst ~6 % slower); short enough that

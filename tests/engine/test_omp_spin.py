@@ -106,7 +106,7 @@ def probe(script: str, **env: str) -> list[str]:
 def test_import_plaserve_before_torch_bounds_the_idle_spin():
     count, set_here, spin_ms = probe(IDLE_SPIN, FIRST="plaserve")
     assert (count, set_here) == ("150000", "True")
-    # ~2 ms on the AMX Xeon, ~4.5 ms on the EPYC, of the 100 ms the main thread slept
+    # ~2 ms on the AMX Xeon, of the 100 ms the main thread slept
     assert float(spin_ms) < 30, spin_ms
     # A wait policy of the user's stands, and the same probe sees the team thread spin through.
     count, set_here, spin_ms = probe(IDLE_SPIN, FIRST="plaserve", OMP_WAIT_POLICY="active")
@@ -123,7 +123,7 @@ def test_with_torch_first_stepping_does_not_leave_openmp_threads_spinning():
     from the main thread sleeps instead of spinning through the step's Python."""
     throttled = float(probe(STEPPING, STEPS="30")[-1])
     # "active" rather than libgomp's default count of 300,000 pauses, whose length in time differs
-    # between CPUs (~20 ms on the AMX Xeons, a few ms on an EPYC).
+    # between CPUs (~4 ms on the AMX Xeon, benchmarks/omp_spin.py).
     spinning = float(probe(STEPPING, STEPS="16", OMP_WAIT_POLICY="active")[-1])
     assert throttled < 0.8, throttled
     assert spinning > 1.5 * throttled, (spinning, throttled)

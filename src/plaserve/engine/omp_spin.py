@@ -2,7 +2,7 @@
 
 After a parallel region (and at its closing barrier) a libgomp thread busy-waits ``GOMP_SPINCOUNT``
 iterations of ``pause`` before it sleeps on a futex. Too long and idle threads burn cores: libgomp's
-default, 300,000, is ~9 ms on the EPYC (~4 ms on the AMX Xeon), and on a shared or busy machine the
+default, 300,000, is ~4 ms on the AMX Xeon (more where a pause is slower), and on a shared or busy machine the
 spinning threads took the cores the stepping thread needed (2026-12-01, 2 cores, load 3-6: 128
 bfloat16 decode steps 15-40 s instead of 1.5-2.5 s; ``perf`` put ~75 % of the samples in the spin
 loop). Too short and every parallel region of a step waits for its threads to wake (~100 us each on
