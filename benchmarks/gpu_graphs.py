@@ -1,8 +1,11 @@
-"""The static ``(batch, bucket)`` grid on a GPU: capture, replay == eager, launch time, latency.
+"""The static prefill and decode grids on a GPU: capture, replay == eager, launch time, latency.
 
-Issue 3's GPU check, prepared to run once when a device is lent (one command, a few minutes):
+The GPU check of issues 3 and 17, one command of a few minutes for a session lent a device:
 
     PYTHONPATH=src python benchmarks/gpu_graphs.py --out /tmp/gpu_graphs
+
+``--e2e-only`` runs the end-to-end burst alone; ``--reverse-e2e`` runs its systems in reverse order (the
+first engine of a process can pay one-time costs the others do not).
 
 It builds a ~0.5B-parameter Llama with random weights in bfloat16 on CUDA, captures the pla scheduler's
 grid as CUDA graphs (with a progress bar, timed, with the memory the graph pool takes), and then for
@@ -18,11 +21,16 @@ every shape of batch 1-16 x bucket 64-512:
 * **latency**: one prefill step (``ModelRunner.execute``: pack, forward, logits of the last tokens,
   sampling) timed end to end with synchronisation, median of ``--latency-reps``, for the graph, the
   static eager path and the varlen eager path (what pla runs when padding does not pay);
+* **decode graphs**: for every decode batch of 1-64 rows over contexts of ``decode_contexts`` tokens,
+  the step through a captured ``(batch, blocks)`` decode graph, through the same static buffers run
+  eagerly, and through the varlen eager path: largest logit and K/V differences, argmax agreement,
+  host launch time of one decode runner call, and the latency of one whole decode step;
 * **end to end**: a burst of short prompts through whole engines on the same weights: pla with padded
-  batches (graph replays), pla varlen, and fcfs: wall time, TTFT p50 / p99, grid hits, and how many
-  greedy outputs equal fcfs's.
+  batches (graph replays), pla varlen, fcfs, and fcfs with no CUDA graphs at all: wall time, TTFT
+  p50 / p99, grid hits, and how many greedy outputs equal fcfs's.
 
-Prints a table and writes ``gpu_graphs.json`` (and the table as ``gpu_graphs.md``) under ``--out``.
+Every row is also printed to stderr as JSON when it is measured, so a run cut short keeps what it
+had. Prints a table and writes ``gpu_graphs.json`` (and the table as ``gpu_graphs.md``) under ``--out``.
 ``--device cpu`` runs the same code on a small float32 model without capture (the graph columns read
 "-"); ``tests/benchmarks/test_gpu_graphs_smoke.py`` runs it that way so the script keeps working.
 """
@@ -41,7 +49,7 @@ from pathlib import Path
 import torch
 
 from plaserve import EngineConfig, LLMEngine, SamplingParams
-from plaserve.engine.graphs import GraphGrid
+from plaserve.engine.graphs import DecodeRunner, GraphGrid
 from plaserve.engine.runner import ModelRunner, pack
 from plaserve.model.config import ModelConfig
 from plaserve.model.default import DEFAULT_CONFIG
@@ -78,12 +86,27 @@ class Setup:
     kv_cache_memory: str
     e2e_requests: int  # the end-to-end burst: this many short prompts at once ...
     e2e_output: int  # ... of this many output tokens each
+    decode_batches: tuple[int, ...]  # decode steps of this many rows ...
+    decode_contexts: tuple[int, ...]  # ... each over this many cached tokens
 
 
 GPU = Setup(
-    LLAMA_05B, "cuda", "bfloat16", (1, 2, 4, 8, 16), (64, 128, 256, 512), 50, 20, "8GiB", 256, 16
+    LLAMA_05B,
+    "cuda",
+    "bfloat16",
+    (1, 2, 4, 8, 16),
+    (64, 128, 256, 512),
+    50,
+    20,
+    "8GiB",
+    256,
+    16,
+    (1, 2, 4, 8, 16, 32, 64),
+    (512, 2048),
 )
-CPU = Setup(DEFAULT_CONFIG, "cpu", "float32", (1, 2, 4), (64, 128), 3, 3, "256MiB", 12, 4)
+CPU = Setup(
+    DEFAULT_CONFIG, "cpu", "float32", (1, 2, 4), (64, 128), 3, 3, "256MiB", 12, 4, (1, 4), (40,)
+)
 
 # The end-to-end systems: whole engines on the same weights. "pla padded" replays the captured grid on
 # CUDA (static buffers run eagerly on CPU); "pla varlen" is pla without padding; fcfs is vLLM's default.
@@ -91,6 +114,7 @@ E2E_SYSTEMS = {
     "pla padded": {"policy": "pla", "pad_short_batches": "always"},
     "pla varlen": {"policy": "pla", "pad_short_batches": "never"},
     "fcfs": {"policy": "fcfs"},
+    "fcfs, no graphs": {"policy": "fcfs", "use_cuda_graphs": False},
 }
 
 
@@ -109,7 +133,7 @@ def build_engine(setup: Setup, loaded: LoadedModel, **overrides: object) -> LLME
         device=setup.device,
         dtype=setup.dtype,
         kv_cache_memory=setup.kv_cache_memory,
-        max_model_len=2048,
+        max_model_len=max(2048, max(setup.decode_contexts) + 2),
         enable_prefix_caching=False,
         short_threshold=max(setup.buckets),
         max_short_batch=max(setup.batches),
@@ -136,24 +160,39 @@ def capture_grid(engine: LLMEngine) -> tuple[GraphGrid | None, dict]:
         "shapes": len(shapes),
         "estimated_mib": per_token * max(b * k for b, k in shapes) / 2**20,
     }
+    return capture(runner, shapes, info), info
+
+
+def capture(
+    runner: ModelRunner, shapes: list[tuple[int, int]], info: dict, decode: bool = False
+) -> GraphGrid | None:
+    """``shapes`` captured as CUDA graphs, the seconds and memory it took added to ``info``; None on CPU,
+    or when the capture fails (its error in ``info``: a one-shot device run reports it, goes on eager)."""
     if runner.device.type != "cuda":
-        return None, info
+        return None
     sync(runner.device)
+    torch.cuda.empty_cache()  # cached blocks released during the capture would read as a negative pool
     reserved = torch.cuda.memory_reserved(runner.device)
     start = time.perf_counter()
     try:
         grid = GraphGrid(
-            runner.model, runner.kv_caches, shapes, runner.block_size, runner.device, capture=True
+            runner.model,
+            runner.kv_caches,
+            shapes,
+            runner.block_size,
+            runner.device,
+            capture=True,
+            decode=decode,
         )
         sync(runner.device)
-    except Exception as exc:  # noqa: BLE001 - a one-shot device run reports the failure and goes on eager
+    except Exception as exc:  # noqa: BLE001
         info["capture_error"] = f"{type(exc).__name__}: {exc}"
-        return None, info
+        return None
     info.update(
         capture_s=time.perf_counter() - start,
         graph_pool_mib=(torch.cuda.memory_reserved(runner.device) - reserved) / 2**20,
     )
-    return grid, info
+    return grid
 
 
 def start_batch(engine: LLMEngine, batch: int, bucket: int, gen: torch.Generator) -> ScheduledBatch:
@@ -245,6 +284,23 @@ def median_time(
     return statistics.median(times)
 
 
+def time_path(
+    row: dict,
+    name: str,
+    launch: Callable[[], object] | None,
+    step: Callable[[], object],
+    setup: Setup,
+    device: torch.device,
+) -> None:
+    """``row``'s timings of path ``name``: the host time of ``launch`` (one static-runner call; None for
+    the varlen path, which has none) and the synchronised latency of ``step`` (one whole engine step)."""
+    if launch is not None:
+        row[f"launch_us_{name}"] = 1e6 * median_time(
+            launch, setup.launch_reps, device, inner_sync=False
+        )
+    row[f"latency_ms_{name}"] = 1e3 * median_time(step, setup.latency_reps, device, inner_sync=True)
+
+
 def measure_shape(
     engine: LLMEngine,
     grids: dict[str, GraphGrid | None],
@@ -279,27 +335,142 @@ def measure_shape(
             assert static is not None and static.batch == batch_size, (
                 f"grid lacks ({batch_size}, {bucket})"
             )
-            row[f"launch_us_{name}"] = 1e6 * median_time(
+            runner.grid = grid
+            time_path(
+                row,
+                name,
                 lambda: static.run(
                     packed.input_ids, packed.positions, packed.meta.slot_mapping, batch_size
                 ),
-                setup.launch_reps,
+                lambda: runner.execute(batch),
+                setup,
                 device,
-                inner_sync=False,
             )
-            runner.grid = grid
-            row[f"latency_ms_{name}"] = 1e3 * median_time(
-                lambda: runner.execute(batch), setup.latency_reps, device, inner_sync=True
-            )
-        row["latency_ms_varlen"] = 1e3 * median_time(
-            lambda: runner.execute(varlen), setup.latency_reps, device, inner_sync=True
-        )
+        time_path(row, "varlen", None, lambda: runner.execute(varlen), setup, device)
     release(engine, batch)
     return row
 
 
+def start_decodes(
+    engine: LLMEngine, batch: int, context: int, gen: torch.Generator
+) -> ScheduledBatch:
+    """``batch`` requests with ``context`` random tokens in the KV cache (prefilled on the varlen path)
+    and one prompt token to go: their next step, a batch of decodes."""
+    runner = engine.runner
+    items = []
+    for _ in range(batch):
+        ids = torch.randint(0, engine.model_config.vocab_size, (context + 1,), generator=gen)
+        req = engine.add_request(ids.tolist(), SamplingParams(max_tokens=1, temperature=0))
+        assert engine.scheduler.try_start(req, context + 1) == context + 1, "KV cache too small"
+        items.append(BatchItem(req, context))
+    grid, runner.grid = runner.grid, None
+    for i in range(0, batch, 8):  # a few prompts a forward pass keeps the activations small
+        runner.execute(ScheduledBatch(items[i : i + 8], kind="long"))
+    runner.grid = grid
+    for it in items:
+        it.request.num_computed_tokens = context
+    return ScheduledBatch([BatchItem(it.request, 1) for it in items], kind="decode")
+
+
+def decode_outputs(
+    engine: LLMEngine, batch: ScheduledBatch, grid: GraphGrid | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of the decode rows and the K/V they wrote, through decode ``grid`` (None: varlen)."""
+    runner = engine.runner
+    runner.decode_grid = grid
+    logits = runner.logits(batch)[: len(batch.items)].float()
+    bs = engine.config.block_size
+    slots = torch.tensor(
+        [
+            it.request.block_table[it.request.num_computed_tokens // bs] * bs
+            + it.request.num_computed_tokens % bs
+            for it in batch.items
+        ],
+        device=engine.device,
+    )
+    kv = torch.stack(
+        [torch.stack([k.flatten(0, 1)[slots], v.flatten(0, 1)[slots]]) for k, v in runner.kv_caches]
+    )
+    return logits, kv.float()
+
+
+def measure_decode(
+    engine: LLMEngine,
+    grids: dict[str, GraphGrid | None],
+    batch_size: int,
+    context: int,
+    setup: Setup,
+    gen: torch.Generator,
+) -> dict:
+    """Every column of one decode row: ``batch_size`` decodes over ``context`` cached tokens each."""
+    runner, device = engine.runner, engine.device
+    row: dict = {"batch": batch_size, "context": context}
+    with torch.inference_mode():
+        batch = start_decodes(engine, batch_size, context, gen)
+        # Every path orders the rows alike (pack sorts decodes by context), so rows compare directly.
+        varlen = decode_outputs(engine, batch, None)
+        eager = decode_outputs(engine, batch, grids["eager"])
+        row["eager_vs_varlen"] = compare(
+            eager, varlen, batch
+        )  # one token an item: every row is "last"
+        if grids["graph"] is not None:
+            graph = decode_outputs(engine, batch, grids["graph"])
+            row["graph_vs_eager"] = compare(graph, eager, batch)
+            row["graph_vs_varlen"] = compare(graph, varlen, batch)
+        packed = pack(batch, engine.config.block_size, device)
+        meta = packed.meta
+        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+        for name, grid in grids.items():
+            if grid is None:
+                continue
+            static = grid.lookup(batch_size, meta.decode_block_tables.shape[1])
+            assert isinstance(static, DecodeRunner) and static.batch == batch_size, (
+                f"decode grid lacks ({batch_size}, {context})"
+            )
+            runner.decode_grid = grid
+            time_path(
+                row,
+                name,
+                lambda: static.run_decode(
+                    packed.input_ids,
+                    packed.positions,
+                    meta.slot_mapping,
+                    meta.decode_block_tables,
+                    meta.decode_context_lens,
+                ),
+                lambda: runner.execute(batch),
+                setup,
+                device,
+            )
+        runner.decode_grid = None
+        time_path(row, "varlen", None, lambda: runner.execute(batch), setup, device)
+    release(engine, batch)
+    return row
+
+
+def decode_graphs(engine: LLMEngine, setup: Setup, progress: Callable[[str], None]) -> dict:
+    """Capture a decode grid of every ``(batch, blocks)`` measured, then measure each row."""
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner)
+    bs = engine.config.block_size
+    shapes = [(b, -(-(c + 1) // bs)) for c in setup.decode_contexts for b in setup.decode_batches]
+    eager = GraphGrid(runner.model, runner.kv_caches, shapes, bs, runner.device, False, decode=True)
+    grids: dict[str, GraphGrid | None] = {"eager": eager}
+    info: dict = {"shapes": len(shapes)}
+    grids["graph"] = capture(runner, shapes, info, decode=True)
+    progress(f"decode grid: {info}")
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for context in setup.decode_contexts:
+        for batch in setup.decode_batches:
+            rows.append(measure_decode(engine, grids, batch, context, setup, gen))
+            progress(f"decode ({batch}, {context}): {json.dumps(rows[-1])}")
+    runner.decode_grid = None
+    return {"capture": info, "rows": rows}
+
+
 def end_to_end(
-    setup: Setup, loaded: LoadedModel, progress: Callable[[str], None]
+    setup: Setup, loaded: LoadedModel, progress: Callable[[str], None], reverse: bool = False
 ) -> dict[str, dict]:
     """A burst of ``e2e_requests`` short prompts (lengths uniform in 16..the largest bucket), all at once,
     through each of :data:`E2E_SYSTEMS`: wall time, TTFT percentiles, and outputs identical to fcfs's
@@ -314,8 +485,11 @@ def end_to_end(
     params = SamplingParams(max_tokens=setup.e2e_output, temperature=0, ignore_eos=True)
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
-    for name, overrides in E2E_SYSTEMS.items():
-        engine = build_engine(setup, loaded, use_cuda_graphs=True, **overrides)
+    systems = list(E2E_SYSTEMS.items())
+    for name, overrides in (
+        reversed(systems) if reverse else systems
+    ):  # order effects: run both ways
+        engine = build_engine(setup, loaded, **({"use_cuda_graphs": True} | overrides))
         engine.warm_up()
         sync(engine.device)
         start = time.perf_counter()
@@ -335,7 +509,7 @@ def end_to_end(
             "steps": engine.num_steps,
             **engine.stats,
         }
-        progress(f"end to end, {name}: {wall:.2f} s")
+        progress(f"end to end, {name}: {json.dumps(results[name])}")
         del engine, reqs
         if setup.device == "cuda":
             torch.cuda.empty_cache()
@@ -346,10 +520,20 @@ def end_to_end(
     return results
 
 
-def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Build, capture, measure every shape, then the end-to-end burst; returns everything the tables show."""
+def run(
+    setup: Setup,
+    progress: Callable[[str], None] = lambda s: None,
+    e2e_only: bool = False,
+    reverse_e2e: bool = False,
+) -> dict:
+    """Build, capture, measure every shape, then the end-to-end burst; returns everything the tables show.
+    ``e2e_only``: the end-to-end burst alone (``reverse_e2e``: its systems in reverse order)."""
     start = time.perf_counter()
     loaded = load(setup)
+    device = torch.device(setup.device)
+    if e2e_only:
+        e2e = end_to_end(setup, loaded, progress, reverse_e2e)
+        return {"setup": dataclasses.asdict(setup), **about(setup, device), "end_to_end": e2e}
     engine = build_engine(setup, loaded)
     progress(f"model built in {time.perf_counter() - start:.1f} s")
     grids: dict[str, GraphGrid | None] = {"eager": engine.runner.grid}
@@ -360,16 +544,30 @@ def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
     for bucket in setup.buckets:
         for batch in setup.batches:
             rows.append(measure_shape(engine, grids, batch, bucket, setup, gen))
-            progress(f"({batch}, {bucket}) done")
+            progress(
+                f"({batch}, {bucket}): {json.dumps(rows[-1])}"
+            )  # the log keeps what a cut run had
+    engine.runner.grid = grids["eager"]
+    decode = decode_graphs(engine, setup, progress)
     leaked = engine.allocator.num_used_blocks
-    device = engine.device
     del engine, grids  # free the KV cache and the graphs before the end-to-end engines take theirs
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    e2e = end_to_end(setup, loaded, progress)
+    e2e = end_to_end(setup, loaded, progress, reverse_e2e)
     return {
         "setup": dataclasses.asdict(setup),
         "end_to_end": e2e,
+        **about(setup, device),
+        "capture": capture,
+        "rows": rows,
+        "decode": decode,
+        "kv_blocks_leaked": leaked,
+    }
+
+
+def about(setup: Setup, device: torch.device) -> dict:
+    """The model's size, the device's name and torch's version, for the report's header."""
+    return {
         "model": {
             "params": setup.model.num_params,
             "layers": setup.model.num_hidden_layers,
@@ -378,9 +576,6 @@ def run(setup: Setup, progress: Callable[[str], None] = lambda s: None) -> dict:
         },
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "capture": capture,
-        "rows": rows,
-        "kv_blocks_leaked": leaked,
     }
 
 
@@ -389,75 +584,103 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def table(results: dict) -> str:
-    """The markdown report: one header paragraph, one row per shape."""
-    m, cap = results["model"], results["capture"]
+    """The markdown report: one header paragraph, one row per shape (unless the run was end to end
+    only), then the end-to-end table."""
+    m = results["model"]
     head = (
         f"Model: random-weight Llama, {m['params'] / 1e9:.2f} B parameters ({m['layers']} layers, hidden "
         f"{m['hidden']}, vocab {m['vocab']}), {results['setup']['dtype']} on {results['device_name']}, "
         f"torch {results['torch']}. "
     )
-    if "capture_s" in cap:
-        head += (
-            f"Captured {cap['shapes']} grid shapes in {cap['capture_s']:.1f} s; the graph pool takes "
-            f"{cap['graph_pool_mib']:.0f} MiB (the engine's budget estimate for the largest shape: "
-            f"{cap['estimated_mib']:.0f} MiB)."
-        )
-    elif "capture_error" in cap:
-        head += f'Capturing {cap["shapes"]} grid shapes FAILED ({cap["capture_error"]}): the graph columns read "-".'
-    else:
-        head += f'{cap["shapes"]} grid shapes, not captured (no CUDA): the graph columns read "-".'
-    lines = [
-        head,
-        "",
-        "| batch | bucket | tokens | graph vs eager: max dlogit | dKV | graph vs varlen: max dlogit | argmax "
-        "| eager vs varlen: max dlogit | launch us graph | eager | latency ms graph | eager | varlen "
-        "| eager / graph | varlen / graph |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["rows"]:
-        ge, gv, ev = r.get("graph_vs_eager", {}), r.get("graph_vs_varlen", {}), r["eager_vs_varlen"]
-        lg = r.get("latency_ms_graph")
-        lines.append(
-            " | ".join(
-                [
-                    f"| {r['batch']}",
-                    str(r["bucket"]),
-                    str(r["tokens"]),
-                    fmt(ge.get("logit_max_diff"), ".2e"),
-                    fmt(ge.get("kv_max_diff"), ".2e"),
-                    fmt(gv.get("logit_max_diff"), ".2e"),
-                    gv.get("argmax_agree", "-"),
-                    fmt(ev["logit_max_diff"], ".2e"),
-                    fmt(r.get("launch_us_graph"), ".0f"),
-                    fmt(r["launch_us_eager"], ".0f"),
-                    fmt(lg, ".2f"),
-                    fmt(r["latency_ms_eager"], ".2f"),
-                    fmt(r["latency_ms_varlen"], ".2f"),
-                    fmt(r["latency_ms_eager"] / lg if lg else None, ".2f"),
-                    fmt(r["latency_ms_varlen"] / lg if lg else None, ".2f") + " |",
-                ]
-            )
-        )
-    lines.append("")
-    lines.append(
-        "dlogit / dKV: largest absolute difference over the real tokens' logits / K and V. Launch: host "
-        "time of one static-runner call, not synchronised. Latency: one whole prefill step, synchronised."
-    )
+    lines = [head] if "rows" not in results else shape_tables(results, head)
     setup = results["setup"]
     lines += [
         "",
         f"End to end: {setup['e2e_requests']} prompts of 16-{max(setup['buckets'])} tokens at once, "
         f"{setup['e2e_output']} output tokens each, greedy.",
         "",
-        "| system | wall s | TTFT p50 ms | p99 | steps | grid hits | grid fallbacks | outputs identical to fcfs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | wall s | TTFT p50 ms | p99 | steps | grid hits | grid fallbacks | decode grid hits "
+        "| outputs identical to fcfs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["end_to_end"].items():
         lines.append(
             f"| {name} | {r['wall_s']:.2f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['steps']} "
-            f"| {r['grid_hits']} | {r['grid_fallbacks']} | {r['identical_to_fcfs']}/{setup['e2e_requests']} |"
+            f"| {r['grid_hits']} | {r['grid_fallbacks']} | {r['decode_grid_hits']} "
+            f"| {r['identical_to_fcfs']}/{setup['e2e_requests']} |"
         )
     return "\n".join(lines)
+
+
+def shape_tables(results: dict, head: str) -> list[str]:
+    """The prefill-grid and decode-graph sections of the report, under ``head``."""
+    cap = results["capture"]
+    head += capture_note(cap, f"{cap['shapes']} grid shapes")
+    if "capture_s" in cap:
+        head += (
+            f" The engine's budget estimate for the largest shape: {cap['estimated_mib']:.0f} MiB."
+        )
+    lines = [head, "", *path_table(results["rows"], ("batch", "bucket", "tokens"))]
+    lines.append("")
+    lines.append(
+        "dlogit / dKV: largest absolute difference over the real tokens' logits / K and V. Launch: host "
+        "time of one static-runner call, not synchronised. Latency: one whole prefill step, synchronised."
+    )
+    decode = results["decode"]
+    shapes = f"{decode['capture']['shapes']} `(batch, blocks)` decode shapes"
+    lines += ["", "Decode graphs: " + capture_note(decode["capture"], shapes), ""]
+    lines += path_table(decode["rows"], ("batch", "context"))
+    lines += [
+        "",
+        "A decode row: `batch` requests, each one token over `context` cached tokens. dKV: the K/V the "
+        "decode token wrote. Launch: host time of one decode-runner call, not synchronised. Latency: one "
+        "whole decode step (pack, forward, logits, sampling), synchronised.",
+    ]
+    return lines
+
+
+def capture_note(cap: dict, shapes: str) -> str:
+    """What capturing ``shapes`` gave: its time and memory, its failure, or no CUDA."""
+    if "capture_s" in cap:
+        return (
+            f"Captured {shapes} in {cap['capture_s']:.1f} s; the graph pool takes "
+            f"{cap['graph_pool_mib']:.0f} MiB."
+        )
+    if "capture_error" in cap:
+        return f'Capturing {shapes} FAILED ({cap["capture_error"]}): the graph columns read "-".'
+    return f'{shapes}, not captured (no CUDA): the graph columns read "-".'
+
+
+def path_table(rows: list[dict], keys: tuple[str, ...]) -> list[str]:
+    """One markdown row per measured shape (its ``keys`` first): the three paths compared and timed."""
+    lines = [
+        "| "
+        + " | ".join(keys)
+        + " | graph vs eager: max dlogit | dKV | graph vs varlen: max dlogit "
+        "| argmax | eager vs varlen: max dlogit | launch us graph | eager | latency ms graph | eager "
+        "| varlen | eager / graph | varlen / graph |",
+        "|---" * (len(keys) + 12) + "|",
+    ]
+    for r in rows:
+        ge, gv, ev = r.get("graph_vs_eager", {}), r.get("graph_vs_varlen", {}), r["eager_vs_varlen"]
+        lg = r.get("latency_ms_graph")
+        cells = [
+            *(str(r[k]) for k in keys),
+            fmt(ge.get("logit_max_diff"), ".2e"),
+            fmt(ge.get("kv_max_diff"), ".2e"),
+            fmt(gv.get("logit_max_diff"), ".2e"),
+            gv.get("argmax_agree", "-"),
+            fmt(ev["logit_max_diff"], ".2e"),
+            fmt(r.get("launch_us_graph"), ".0f"),
+            fmt(r["launch_us_eager"], ".0f"),
+            fmt(lg, ".2f"),
+            fmt(r["latency_ms_eager"], ".2f"),
+            fmt(r["latency_ms_varlen"], ".2f"),
+            fmt(r["latency_ms_eager"] / lg if lg else None, ".2f"),
+            fmt(r["latency_ms_varlen"] / lg if lg else None, ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,6 +693,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--launch-reps", type=int, default=None)
     parser.add_argument("--latency-reps", type=int, default=None)
+    parser.add_argument(
+        "--e2e-only", action="store_true", help="the end-to-end burst alone, no per-shape tables"
+    )
+    parser.add_argument(
+        "--reverse-e2e", action="store_true", help="run the end-to-end systems in reverse order"
+    )
     args = parser.parse_args(argv)
     setup = GPU if args.device == "cuda" else CPU
     setup = dataclasses.replace(
@@ -477,14 +706,19 @@ def main(argv: list[str] | None = None) -> int:
         launch_reps=args.launch_reps or setup.launch_reps,
         latency_reps=args.latency_reps or setup.latency_reps,
     )
-    results = run(setup, progress=lambda s: print(s, file=sys.stderr, flush=True))
+    results = run(
+        setup,
+        progress=lambda s: print(s, file=sys.stderr, flush=True),
+        e2e_only=args.e2e_only,
+        reverse_e2e=args.reverse_e2e,
+    )
     report = table(results)
     print(report)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_graphs.json").write_text(json.dumps(results, indent=1))
         (args.out / "gpu_graphs.md").write_text(report + "\n")
-    return 1 if results["kv_blocks_leaked"] else 0
+    return 1 if results.get("kv_blocks_leaked") else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
         latency_reps=1,
         e2e_requests=6,
         e2e_output=2,
+        decode_batches=(1, 3),
+        decode_contexts=(20, 40),
     )
     results = bench.run(setup)
 
@@ -49,8 +51,25 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
     assert results["capture"]["shapes"] == 3 * 2  # buckets 16, 32, 64 x batches 1, 2; none captured
     assert "capture_s" not in results["capture"] and results["capture"]["estimated_mib"] > 0
 
+    decode = results["decode"]
+    assert decode["capture"] == {
+        "shapes": 4
+    }  # (1, 3) rows x blocks of 20 and 40 tokens, none captured
+    assert [(r["batch"], r["context"]) for r in decode["rows"]] == [
+        (1, 20),
+        (3, 20),
+        (1, 40),
+        (3, 40),
+    ]
+    for row in decode["rows"]:
+        same = row["eager_vs_varlen"]  # the static decode buffers run eagerly == the varlen path
+        assert same["logit_max_diff"] < 1e-4 and same["kv_max_diff"] < 1e-5
+        assert same["argmax_agree"] == f"{row['batch']}/{row['batch']}"
+        assert row["launch_us_eager"] > 0 and row["latency_ms_varlen"] > 0
+        assert "graph_vs_eager" not in row and "latency_ms_graph" not in row
+
     e2e = results["end_to_end"]
-    assert set(e2e) == {"pla padded", "pla varlen", "fcfs"}
+    assert set(e2e) == {"pla padded", "pla varlen", "fcfs", "fcfs, no graphs"}
     for name, r in e2e.items():
         assert r["wall_s"] > 0 and r["ttft_p50_ms"] <= r["ttft_p99_ms"]
         # float32 on CPU: every path gives the same tokens
@@ -58,8 +77,13 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
     assert e2e["pla padded"]["grid_hits"] > 0 and e2e["pla varlen"]["grid_hits"] == 0
 
     report = bench.table(results)
-    assert report.count("\n| 1 |") + report.count("\n| 2 |") == 4 and "not captured" in report
+    prefill_rows = ("\n| 1 | 32 |", "\n| 2 | 32 |", "\n| 1 | 64 |", "\n| 2 | 64 |")
+    assert all(row in report for row in prefill_rows) and "not captured" in report
     assert "| pla padded |" in report and "| fcfs |" in report
+    assert (
+        "\n| 3 | 40 |" in report
+        and "Decode graphs: 4 `(batch, blocks)` decode shapes, not captured" in report
+    )
 
 
 def test_main_writes_the_report(load_benchmark, tmp_path: Path) -> None:
@@ -71,6 +95,8 @@ def test_main_writes_the_report(load_benchmark, tmp_path: Path) -> None:
         buckets=(32,),
         e2e_requests=2,
         e2e_output=1,
+        decode_batches=(2,),
+        decode_contexts=(24,),
     )
     bench.CPU = tiny  # main() picks the CPU setup without CUDA
     assert (
@@ -81,4 +107,5 @@ def test_main_writes_the_report(load_benchmark, tmp_path: Path) -> None:
     )
     results = json.loads((tmp_path / "gpu_graphs.json").read_text())
     assert len(results["rows"]) == 1 and results["setup"]["latency_reps"] == 1
+    assert [(r["batch"], r["context"]) for r in results["decode"]["rows"]] == [(2, 24)]
     assert (tmp_path / "gpu_graphs.md").read_text().startswith("Model: random-weight Llama")

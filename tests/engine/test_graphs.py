@@ -10,11 +10,14 @@ from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
 
 def make_engine(path: str, **kw) -> LLMEngine:
+    """An engine on CPU (the GPU tests pass ``device="cuda"``): "auto" would pick a GPU where there is one,
+    and the CPU tests check the uncaptured path."""
     return LLMEngine(
         EngineConfig.from_kwargs(
             **(
                 {
                     "model": path,
+                    "device": "cpu",
                     "dtype": "float32",
                     "kv_cache_memory": "16MiB",
                     "max_model_len": 1024,
@@ -102,6 +105,7 @@ def make_engine_llm(path: str, policy: str, pad: str = "always", **kw):
 
     return LLM(
         path,
+        device="cpu",  # pad="auto" pads only where graphs are captured: the assertions are CPU's
         dtype="float32",
         kv_cache_memory="16MiB",
         max_model_len=1024,
@@ -240,3 +244,25 @@ def test_generation_through_the_decode_grid_equals_eager(llama_ckpt):
     assert (
         llm.engine.stats["decode_grid_fallbacks"] > 0 and llm.engine.stats["decode_grid_hits"] > 0
     )
+
+
+def test_cuda_engines_keep_sdpa_off_cudnn():
+    """cuDNN's attention plans a kernel per new length: the varlen path would pay one per prompt."""
+    from plaserve.model.attention import skip_cudnn_attention
+
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        skip_cudnn_attention()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_engine_turns_cudnn_attention_off(
+    llama_ckpt,
+):  # pragma: no cover - GPU machines only
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    make_engine(llama_ckpt, device="cuda")
+    assert not torch.backends.cuda.cudnn_sdp_enabled()

@@ -26,6 +26,7 @@ from plaserve.engine.runner import ModelRunner
 from plaserve.grammar.compile import GrammarError
 from plaserve.grammar.matcher import Grammars
 from plaserve.kv_blocks import BlockAllocator
+from plaserve.model.attention import skip_cudnn_attention
 from plaserve.model.default import DEFAULT_CONFIG
 from plaserve.model.fused import compiled_min_tokens
 from plaserve.model.loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -158,6 +159,8 @@ class LLMEngine:
             if self.device.type == "cpu":
                 keep_freed_memory()  # activations reuse freed memory instead of page-faulting in anew
                 throttle_spin_waits()  # where torch was loaded before plaserve set a spin bound
+            elif self.device.type == "cuda":
+                skip_cudnn_attention()
             cfg = self.model_config
             kv_caches = allocate_kv_tensors(
                 cfg.num_hidden_layers,

@@ -196,6 +196,17 @@ def _sdpa(
     )
 
 
+def skip_cudnn_attention() -> None:
+    """Keep torch SDPA on CUDA off its cuDNN backend (flash and memory-efficient kernels remain).
+
+    cuDNN builds an execution plan for each new attention shape, and the varlen path calls SDPA once per
+    prompt at that prompt's own length, so a burst of mixed prompts paid a plan for almost every prompt;
+    the flash and memory-efficient kernels take any length as it comes (docs/BENCHMARKS.md, "The CUDA
+    graph grid on a GPU"). The switch is process-wide, as the backends' flags are.
+    """
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 # A chunk after a cached prefix with at least this many new tokens is attended in two unmasked calls
 # of the CPU flash kernel (below); shorter chunks take one call with an additive mask, which is faster
 # there (2,048 new tokens after 2,048 cached: 22 against 30 ms a layer; 512 after 512: 2.0 against 1.8).
