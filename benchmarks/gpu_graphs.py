@@ -378,7 +378,8 @@ def decode_outputs(
     """Logits of the decode rows and the K/V they wrote, through decode ``grid`` (None: varlen)."""
     runner = engine.runner
     runner.decode_grid = grid
-    logits = runner.logits(batch)[: len(batch.items)].float()
+    # decodes pack last (after any row-padding prompt the varlen path may put first)
+    logits = runner.logits(batch)[-len(batch.items) :].float()
     bs = engine.config.block_size
     slots = torch.tensor(
         [
