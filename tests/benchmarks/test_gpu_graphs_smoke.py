@@ -52,9 +52,8 @@ def test_cpu_run_checks_every_shape(load_benchmark) -> None:
     assert "capture_s" not in results["capture"] and results["capture"]["estimated_mib"] > 0
 
     decode = results["decode"]
-    assert decode["capture"] == {
-        "shapes": 4
-    }  # (1, 3) rows x blocks of 20 and 40 tokens, none captured
+    # batches of 1 and 3 rows x contexts of 20 and 40 tokens, none captured
+    assert decode["capture"] == {"shapes": 4}
     assert [(r["batch"], r["context"]) for r in decode["rows"]] == [
         (1, 20),
         (3, 20),

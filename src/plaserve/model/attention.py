@@ -202,7 +202,7 @@ def skip_cudnn_attention() -> None:
     cuDNN builds an execution plan for each new attention shape, and the varlen path calls SDPA once per
     prompt at that prompt's own length, so a burst of mixed prompts paid a plan for almost every prompt;
     the flash and memory-efficient kernels take any length as it comes (docs/BENCHMARKS.md, "The CUDA
-    graph grid on a GPU"). The switch is process-wide, as the backends' flags are.
+    graph grids on a GPU"). The switch is process-wide, as the backends' flags are.
     """
     torch.backends.cuda.enable_cudnn_sdp(False)
 
