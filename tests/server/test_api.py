@@ -620,7 +620,11 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server) -> None:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             assert next(line for line in lines if line).startswith("data: ")
-            # the request holds blocks while it streams
+            # The request holds blocks while it streams. /load is a snapshot published as a step
+            # starts (at most every 10 ms): the one taken before the first step still shows none.
+            deadline = time.monotonic() + 10
+            while _load(server)["kv"]["used_blocks"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert _load(server)["kv"]["used_blocks"] > 0
         # leaving the block closes the connection mid-stream
     deadline = time.monotonic() + 20
