@@ -363,10 +363,8 @@ def start_decodes(
         req = engine.add_request(ids.tolist(), SamplingParams(max_tokens=1, temperature=0))
         assert engine.scheduler.try_start(req, context + 1) == context + 1, "KV cache too small"
         items.append(BatchItem(req, context))
-    grid, runner.grid = runner.grid, None
     for i in range(0, batch, 8):  # a few prompts a forward pass keeps the activations small
         runner.execute(ScheduledBatch(items[i : i + 8], kind="long"))
-    runner.grid = grid
     for it in items:
         it.request.num_computed_tokens = context
     return ScheduledBatch([BatchItem(it.request, 1) for it in items], kind="decode")
@@ -411,9 +409,8 @@ def measure_decode(
         # Every path orders the rows alike (pack sorts decodes by context), so rows compare directly.
         varlen = decode_outputs(engine, batch, None)
         eager = decode_outputs(engine, batch, grids["eager"])
-        row["eager_vs_varlen"] = compare(
-            eager, varlen, batch
-        )  # one token an item: every row is "last"
+        # one token an item: every row is compare()'s "last token"
+        row["eager_vs_varlen"] = compare(eager, varlen, batch)
         if grids["graph"] is not None:
             graph = decode_outputs(engine, batch, grids["graph"])
             row["graph_vs_eager"] = compare(graph, eager, batch)
@@ -487,9 +484,8 @@ def end_to_end(
     results: dict[str, dict] = {}
     outputs: dict[str, list[list[int]]] = {}
     systems = list(E2E_SYSTEMS.items())
-    for name, overrides in (
-        reversed(systems) if reverse else systems
-    ):  # order effects: run both ways
+    # the first engine of a process can pay one-time costs: ``reverse`` shows the order's effect
+    for name, overrides in reversed(systems) if reverse else systems:
         engine = build_engine(setup, loaded, **({"use_cuda_graphs": True} | overrides))
         engine.warm_up()
         sync(engine.device)
@@ -538,17 +534,15 @@ def run(
     engine = build_engine(setup, loaded)
     progress(f"model built in {time.perf_counter() - start:.1f} s")
     grids: dict[str, GraphGrid | None] = {"eager": engine.runner.grid}
-    grids["graph"], capture = capture_grid(engine)
-    progress(f"grid: {capture}")
+    grids["graph"], grid_info = capture_grid(engine)
+    progress(f"grid: {grid_info}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for bucket in setup.buckets:
         for batch in setup.batches:
             rows.append(measure_shape(engine, grids, batch, bucket, setup, gen))
-            progress(
-                f"({batch}, {bucket}): {json.dumps(rows[-1])}"
-            )  # the log keeps what a cut run had
-    engine.runner.grid = grids["eager"]
+            # every row logged as measured: the log keeps what a cut run had
+            progress(f"({batch}, {bucket}): {json.dumps(rows[-1])}")
     decode = decode_graphs(engine, setup, progress)
     leaked = engine.allocator.num_used_blocks
     del engine, grids  # free the KV cache and the graphs before the end-to-end engines take theirs
@@ -559,7 +553,7 @@ def run(
         "setup": dataclasses.asdict(setup),
         "end_to_end": e2e,
         **about(setup, device),
-        "capture": capture,
+        "capture": grid_info,
         "rows": rows,
         "decode": decode,
         "kv_blocks_leaked": leaked,

@@ -108,3 +108,20 @@ def test_main_writes_the_report(load_benchmark, tmp_path: Path) -> None:
     assert len(results["rows"]) == 1 and results["setup"]["latency_reps"] == 1
     assert [(r["batch"], r["context"]) for r in results["decode"]["rows"]] == [(2, 24)]
     assert (tmp_path / "gpu_graphs.md").read_text().startswith("Model: random-weight Llama")
+
+
+def test_the_burst_alone_runs_its_systems_in_either_order(load_benchmark) -> None:
+    bench = load_benchmark("gpu_graphs")
+    tiny = dataclasses.replace(
+        bench.CPU,
+        model=dataclasses.replace(bench.CPU.model, num_hidden_layers=1),
+        buckets=(32,),
+        e2e_requests=3,
+        e2e_output=2,
+    )
+    results = bench.run(tiny, e2e_only=True, reverse_e2e=True)
+    assert "rows" not in results and "decode" not in results
+    assert list(results["end_to_end"]) == list(reversed(bench.E2E_SYSTEMS))
+    assert all(r["identical_to_fcfs"] == 3 for r in results["end_to_end"].values())
+    report = bench.table(results)
+    assert report.startswith("Model: random-weight Llama") and "| fcfs, no graphs |" in report
