@@ -29,11 +29,12 @@ tied LM head.
 
 Best of 7 each, on every torch thread.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/cpu_kernels.py
+    PYTHONPATH=src .venv/bin/python benchmarks/cpu_kernels.py [--only attention,elementwise,...]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import time
 from typing import Callable
@@ -344,7 +345,19 @@ def amx_linear() -> None:
             )
 
 
-def main() -> int:
+SECTIONS = ("attention", "magnitudes", "elementwise", "token_masks", "row_split", "amx_linear")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
+    )
+    only = set(parser.parse_args(argv).only.split(","))
+    if only - set(SECTIONS):
+        parser.error(f"unknown sections: {', '.join(sorted(only - set(SECTIONS)))}")
     op = kernels.attention_kernel()
     if op is None:
         print(
@@ -353,15 +366,21 @@ def main() -> int:
         return 1
     print(f"{torch.get_num_threads()} threads, bfloat16, head dim 64, kernel ISAs: {isas()}\n")
     with torch.inference_mode():
-        prompts(op)
-        burst(op)
-        decode_rows()
+        if "attention" in only:
+            prompts(op)
+            burst(op)
+            decode_rows()
         use("AMX")
-        magnitudes(op)
-        elementwise()
-        token_masks()
-        row_split()
-        amx_linear()
+        if "magnitudes" in only:
+            magnitudes(op)
+        for name, section in (
+            ("elementwise", elementwise),
+            ("token_masks", token_masks),
+            ("row_split", row_split),
+            ("amx_linear", amx_linear),
+        ):
+            if name in only:
+                section()
     return 0
 
 

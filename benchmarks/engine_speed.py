@@ -7,8 +7,9 @@ For each tree (``--trees name=path/to/src,...``) a child process measures, in on
 * prefill tokens/s at each L (our bare forward plus the sampled row's logits, best of N);
 * the L = 2048 prompt through an ``LLMEngine`` that cuts it into 512-token chunks (fcfs with a 512-token
   step budget), each chunk attending to its cached prefix, as pla prefills a long prompt (best of N);
-* decode tokens/s at each batch size: ``B`` requests of 128-token prompts through an ``LLMEngine``
-  (fcfs, every prompt in the first step), from the fastest of the ~20 steps that decode the whole batch.
+* decode tokens/s at each batch size: ``B`` requests of ``--decode-prompt``-token prompts (default 128)
+  through an ``LLMEngine`` (fcfs, every prompt in the first step), from the fastest of the ~20 steps
+  that decode the whole batch; longer prompts weigh the attention over the cache more.
 
 The trees run in turn, ``--rounds`` times, and each figure is the best over the rounds: on a shared
 machine the slowdowns others cause only ever add time. With ``--threads 1`` (the default) every time is
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 LENGTHS = (128, 1024, 2048, 4096)
 BATCHES = (1, 16, 64)
+DECODE_PROMPT = 128  # tokens of each decode request's prompt
 FLOP_LENGTH = 2048
 CHUNK = (
     512  # pla's long_chunk_size: the chunked-prefill figure cuts the FLOP_LENGTH prompt into these
@@ -80,6 +82,7 @@ def measure(
     lengths: tuple[int, ...],
     batches: tuple[int, ...],
     reps: int,
+    decode_prompt: int = DECODE_PROMPT,
 ) -> dict[str, Any]:
     """Every figure of one tree (the one on ``sys.path``), in this process; times by the process's CPU
     time on one thread, else by the wall clock."""
@@ -107,15 +110,18 @@ def measure(
     model, cfg = loaded.model, loaded.config
 
     def engine(batch: int) -> LLMEngine:
-        """An fcfs engine on ``loaded`` with room for ``batch`` 128-token prompts in its first step."""
+        """An fcfs engine on ``loaded`` with room for ``batch`` prompts of ``decode_prompt`` tokens
+        (and their outputs) in its cache and in its first step."""
+        kv_bytes = cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        kv_mib = max(512, -(-2 * batch * (decode_prompt + 32) * kv_bytes // 2**20))
         return LLMEngine(
             EngineConfig.from_kwargs(
                 dtype=dtype_name,
-                kv_cache_memory="512MiB",
+                kv_cache_memory=f"{kv_mib}MiB",
                 max_model_len=4096,
                 policy="fcfs",
                 max_num_seqs=max(64, batch),
-                max_num_batched_tokens=max(2048, 128 * batch),
+                max_num_batched_tokens=max(2048, decode_prompt * batch),
                 enable_prefix_caching=False,
             ),
             loaded=loaded,
@@ -180,7 +186,10 @@ def measure(
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         reqs = [
             eng.add_request(
-                torch.randint(0, min(500, cfg.vocab_size), (128,), generator=gen).tolist(), params
+                torch.randint(
+                    0, min(500, cfg.vocab_size), (decode_prompt,), generator=gen
+                ).tolist(),
+                params,
             )
             for _ in range(batch)
         ]
@@ -228,6 +237,8 @@ def run_tree(src: str, args: argparse.Namespace) -> dict[str, Any]:
         args.batches,
         "--reps",
         str(args.reps),
+        "--decode-prompt",
+        str(args.decode_prompt),
     ]
     done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, check=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -298,7 +309,11 @@ def format_table(
             ",.0f",
         )
     for b in first["decode_tok_s"]:
-        row(f"decode tok/s, batch {b}", [trees[t]["decode_tok_s"][b] for t in names], ",.0f")
+        row(
+            f"decode tok/s, batch {b} ({args.decode_prompt}-token prompts)",
+            [trees[t]["decode_tok_s"][b] for t in names],
+            ",.0f",
+        )
     return "\n".join(out) + "\n"
 
 
@@ -314,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="prefill repetitions a round")
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument(
+        "--decode-prompt",
+        type=int,
+        default=DECODE_PROMPT,
+        help="prompt tokens of each decode request",
+    )
     parser.add_argument("--out", help="also write every round's figures as JSON to this path")
     parser.add_argument(
         "--table", metavar="JSON", help="print the table of an earlier --out instead of measuring"
@@ -324,7 +345,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = tuple(int(x) for x in args.batches.split(","))
     if args.child:
         print(
-            json.dumps(measure(args.dtype, args.model, args.threads, lengths, batches, args.reps))
+            json.dumps(
+                measure(
+                    args.dtype,
+                    args.model,
+                    args.threads,
+                    lengths,
+                    batches,
+                    args.reps,
+                    args.decode_prompt,
+                )
+            )
         )
         return 0
     if args.table:

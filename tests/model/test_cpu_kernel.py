@@ -40,6 +40,15 @@ def _run(q, k, v, q_lens, k_lens, scale, index=None):
     return out
 
 
+def _assert_equals_reference(q, k, v, q_lens, k_lens, scale):
+    got = _run(q, k, v, q_lens, k_lens, scale)
+    q_starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
+    want = kernels.reference_attention(q, k, v, q_starts, k_starts, scale)
+    # bfloat16 output: one rounding step of values of magnitude ~1 is 2^-7
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+
+
 @needs_kernel
 @pytest.mark.parametrize(
     "heads, kv_heads, dim",
@@ -62,12 +71,7 @@ def test_kernel_equals_sdpa(heads, kv_heads, dim, lens, isa):
     # K and V as strided views of one tensor, as the fused qkv projection leaves them.
     kv = torch.randn(sum(k_lens), 2 * kv_heads, dim, generator=gen).bfloat16()
     k, v = kv[:, :kv_heads], kv[:, kv_heads:]
-    got = _run(q, k, v, q_lens, k_lens, dim**-0.5)
-    q_starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
-    k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
-    want = kernels.reference_attention(q, k, v, q_starts, k_starts, dim**-0.5)
-    # bfloat16 output: one rounding step of values of magnitude ~1 is 2^-7
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    _assert_equals_reference(q, k, v, q_lens, k_lens, dim**-0.5)
 
 
 @needs_kernel
@@ -81,11 +85,7 @@ def test_kernel_equals_sdpa_on_scores_far_apart(spread, isa):
     q = (torch.randn(sum(q_lens), 8, 64, generator=gen) * spread).bfloat16()
     kv = torch.randn(sum(k_lens), 4, 64, generator=gen).bfloat16()
     k, v = kv[:, :2], kv[:, 2:]
-    got = _run(q, k, v, q_lens, k_lens, 0.125)
-    q_starts = [0, *torch.tensor(q_lens).cumsum(0).tolist()]
-    k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
-    want = kernels.reference_attention(q, k, v, q_starts, k_starts, 0.125)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    _assert_equals_reference(q, k, v, q_lens, k_lens, 0.125)
 
 
 @needs_kernel
@@ -166,6 +166,20 @@ def test_decode_rows_read_through_a_scattered_index(isa):
     k_starts = [0, *torch.tensor(k_lens).cumsum(0).tolist()]
     want = kernels.reference_attention(q, k, v, q_starts, k_starts, 0.125)
     torch.testing.assert_close(through.float(), want.float(), atol=2e-2, rtol=0)
+
+
+@needs_kernel
+def test_calls_of_growing_contexts_equal_sdpa(isa):
+    """Calls one after another whose keys outgrow what the calls before them needed (each thread keeps
+    its scratch from call to call, and grows it): decode rows and a short chunk over 64, then 3,000,
+    then 700 keys, each call equal to SDPA."""
+    gen = torch.Generator().manual_seed(4)
+    for k_len in (64, 3000, 700):
+        q_lens, k_lens = [1, 1, 20], [k_len, k_len // 2, k_len]
+        q = torch.randn(sum(q_lens), 14, 64, generator=gen).bfloat16()
+        kv = torch.randn(sum(k_lens), 4, 64, generator=gen).bfloat16()
+        k, v = kv[:, :2], kv[:, 2:]
+        _assert_equals_reference(q, k, v, q_lens, k_lens, 0.125)
 
 
 BLOCKS, BLOCK, HEADS, KV_HEADS, DIM = 96, 16, 8, 2, 64

@@ -11,7 +11,9 @@
 //  1. each (sequence, K/V head)'s keys and values are copied once into the layouts the products
 //     multiply, zero-padded to a multiple of 32 keys; the gather from the paged cache is this same
 //     copy. AVX512-BF16: pair-interleaved for vdpbf16ps (K: 16 keys x 2 dims a register, V: 16 dims x
-//     2 keys). AMX: K as it is (rows of keys), V transposed (rows of dimensions);
+//     2 keys). AMX: K as it is (rows of keys), V transposed (rows of dimensions). Without AMX, a
+//     sequence whose queries make a single work item (decode rows, prompts of up to kBlockQ tokens)
+//     is packed in pass 2 instead, by that item, just before it reads the copy;
 //  2. work items of kBlockQ query tokens of one K/V head, times the query heads that share it (so
 //     one pass over a K/V block serves the whole GQA group), run online-softmax (flash) attention:
 //     float32 accumulation and softmax, P rounded to bfloat16 for the second product.
@@ -177,15 +179,58 @@ int64_t padded_keys(int64_t k_len) { return (k_len + 31) / 32 * 32; }
 // load's 16 rows would all fall in one L1 set (12 ways) and evict one another.
 int64_t packed_stride(int64_t k_len) { return padded_keys(k_len) + 32; }
 
-// Pass 1: the keys of one (sequence, K/V head) into [chunk of 16][D/2][16][2], its values into
-// [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be). Keys: per
-// chunk and dimension pair, one gather of the 16 keys' 32-bit pairs; values: per key pair, the two
-// rows interleaved by a permute, 32 dimensions at a time.
+// The 16 x 16 matrix of 32-bit elements in r (row i in r[i]) transposed in place: 64 shuffles, against
+// the 32 eight-lane gathers per 16 keys and 16 dimension pairs that pack_kv takes otherwise.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // t[i]: lanes' elements 0, 1 of rows i, i + 1; t[i + 1]: 2, 3
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4 g + c]: 128-bit lane L holds element 4 L + c of rows 4 g .. 4 g + 3
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* a = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(a[0], a[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(a[0], a[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(a[1], a[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(a[1], a[3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // element 4 L + c of all 16 rows: lane L of u[c], u[4 + c], ...
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44);
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[0 + c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// Pass 1: the keys of one (sequence, K/V head) into [chunk of 16][D/2][16 keys][2 dims], its values
+// into [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be). Keys: a
+// chunk of 16 consecutive slots (a whole cache block, or a prompt's own rows) is loaded row by row
+// and transposed in registers, 16 dimension pairs at a time; any other chunk is gathered, one 32-bit
+// pair of the 16 keys per dimension pair. Values: per key pair, the two rows interleaved by a
+// permute, 32 dimensions at a time.
 template <int D>
 void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
              const int64_t* index, int64_t k_len, int64_t head, uint16_t* kp, uint16_t* vp) {
   const int64_t padded = padded_keys(k_len);
   for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+    auto* dst = reinterpret_cast<int32_t*>(kp + j0 * D);  // chunk j0 / 16: (D / 2) x 16 pairs
+    bool run = D % 32 == 0 && j0 + 16 <= k_len;
+    for (int i = 1; run && i < 16; ++i) run = index[j0 + i] == index[j0] + i;
+    if (run) {
+      const uint16_t* first = k + index[j0] * k_stride + head * D;
+      for (int c = 0; c < D / 32; ++c) {  // dimension pairs 16 c .. 16 c + 15
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(first + i * k_stride + 32 * c);
+        transpose16(r);
+        for (int x = 0; x < 16; ++x) _mm512_storeu_si512(dst + (16 * c + x) * 16, r[x]);
+      }
+      continue;
+    }
     // byte offsets of the 16 keys' rows (0 for padding lanes, which the masks leave zero)
     alignas(64) int64_t off[16];
     for (int i = 0; i < 16; ++i)
@@ -193,7 +238,6 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_s
     const __mmask8 lo = first_lanes(static_cast<int>(k_len - j0)) & 0xFF;
     const __mmask8 hi = first_lanes(static_cast<int>(k_len - j0 - 8)) & 0xFF;
     const __m512i off_lo = _mm512_load_si512(off), off_hi = _mm512_load_si512(off + 8);
-    auto* dst = reinterpret_cast<int32_t*>(kp + j0 * D);  // chunk j0 / 16: (D / 2) x 16 pairs
     for (int dp = 0; dp < D / 2; ++dp) {
       const __m512i step = _mm512_set1_epi64(4 * dp);
       const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), lo,
@@ -226,11 +270,20 @@ struct Scratch {
   std::vector<float> s, o, m, l;
   std::vector<uint16_t> p;
   std::vector<const uint16_t*> qrow;
+  Packed own;  // the packed K/V of a (sequence, K/V head) packed inside its work item
+  size_t own_size = 0;
+
+  uint16_t* room(size_t elements) {
+    if (own_size < elements) own = packed_buffer(elements), own_size = elements;
+    return own.get();
+  }
 };
 
-// Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`.
+// Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`, over
+// that pair's packed keys kp and values vp.
 template <int D>
-void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
+void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, const uint16_t* kp,
+            const uint16_t* vp, Scratch& w) {
   const int64_t group = b.heads / b.kv_heads;
   const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
   const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
@@ -248,7 +301,6 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
     const int64_t token = b.q_starts[seq] + q0 + r / group;
     w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
   }
-  const int64_t base = b.packed_at[seq * b.kv_heads + g];
   // Base-2 exponents (exp2_p_flushed, P is rounded to bfloat16): scores times scale log2 e, maxima in
   // base 2.
   const float scale = b.scale * 1.44269504088896341f;
@@ -256,8 +308,7 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
     const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
     const int pairs32 = (nk + 31) / 32;  // chunk pairs of 32 keys
     for (int c = 0; c < pairs32; ++c)
-      qk_rows<D>(w.qrow.data(), rows, b.kp + base + (j0 / 16 + 2 * c) * 16 * D, w.s.data() + 32 * c,
-                 kBlockK);
+      qk_rows<D>(w.qrow.data(), rows, kp + (j0 / 16 + 2 * c) * 16 * D, w.s.data() + 32 * c, kBlockK);
     // Online softmax, row by row: the new maximum, the rescale of what was summed so far, P.
     for (int r = 0; r < rows; ++r) {
       const int valid = static_cast<int>(
@@ -296,7 +347,7 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, Scratch& w) {
       }
       w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(vsum);
     }
-    pv_rows<D>(w.p.data(), kBlockK, rows, b.vp + base + j0 * D, 16 * pairs32, w.o.data());
+    pv_rows<D>(w.p.data(), kBlockK, rows, vp + j0 * D, 16 * pairs32, w.o.data());
   }
   for (int r = 0; r < rows; ++r) {
     const int64_t token = b.q_starts[seq] + q0 + r / group;
@@ -727,16 +778,21 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   b.v_stride = v.stride(0);
   b.index = k_index.data_ptr<int64_t>();
   const bool amx = amx_for<D>(amx_in_use());
-  // Decode rows (one query token) are attended in place on AMX (attend_direct); the rest packed.
+  // Decode rows (one query token) are attended in place on AMX (attend_direct).
   auto direct = [&](int64_t s) {
     return amx && b.q_starts[s + 1] - b.q_starts[s] == 1 &&
            b.heads / b.kv_heads <= kMaxDirectGroup;
   };
+  // Without AMX, a sequence whose queries are one work item (decode rows, prompts of up to kBlockQ
+  // tokens) has each K/V head's keys packed by that item, just before it reads them, while they are in
+  // its core's cache: packed ahead, a decode batch's packed keys went out to memory and back (60 rows of
+  // 350 keys, 8/2 heads: 1.0 ms a call against ~0.3 packed in the item).
+  auto packs_in_item = [&](int64_t s) { return !amx && b.q_starts[s + 1] - b.q_starts[s] <= kBlockQ; };
   b.packed_at.assign(seqs * b.kv_heads, -1);
-  std::vector<int64_t> to_pack;  // (sequence, K/V head) pairs
+  std::vector<int64_t> to_pack;  // (sequence, K/V head) pairs packed ahead, in pass 1
   int64_t total = 0;
   for (int64_t s = 0; s < seqs; ++s)
-    for (int64_t g = 0; g < b.kv_heads && !direct(s); ++g) {
+    for (int64_t g = 0; g < b.kv_heads && !direct(s) && !packs_in_item(s); ++g) {
       b.packed_at[s * b.kv_heads + g] = total;
       to_pack.push_back(s * b.kv_heads + g);
       total += packed_stride(b.k_starts[s + 1] - b.k_starts[s]) * D;
@@ -803,7 +859,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     // with them), so the exponentials need no hold at -125 either (one instruction of ~23 a key pair):
     // with queries x300, 2,048 tokens on one thread took 29.6 ms against 7.5 at unit scale, 8.6 now.
     const FlushDenormals flushed;
-    Scratch w;
+    // Kept by each thread from call to call: a fresh buffer for a long context's keys (a megabyte at
+    // 4,096 keys) page-faulted in at every layer (one decode row: 0.69 ms a call against 0.07).
+    thread_local Scratch w;
 #ifdef PLASERVE_AMX
     DirectScratch dw;
     if (amx) load_tiles();
@@ -820,7 +878,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
             continue;
           }
 #endif
-        attend<D>(b, items[i].seq, items[i].head, items[i].q0, w);
+        const Item& it = items[i];
+        const int64_t at = b.packed_at[it.seq * b.kv_heads + it.head];
+        if (at >= 0) {
+          attend<D>(b, it.seq, it.head, it.q0, b.kp + at, b.vp + at, w);
+          continue;
+        }
+        const int64_t k_len = b.k_starts[it.seq + 1] - b.k_starts[it.seq];
+        const int64_t size = packed_stride(k_len) * D;
+        uint16_t* own = w.room(static_cast<size_t>(2 * size));
+        pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, b.index + b.k_starts[it.seq], k_len, it.head,
+                   own, own + size);
+        attend<D>(b, it.seq, it.head, it.q0, own, own + size, w);
       }
 #ifdef PLASERVE_AMX
     if (amx) _tile_release();
