@@ -24,6 +24,8 @@ def test_one_round_has_every_row(load_benchmark, tmp_path: Path, capsys) -> None
                 "16,2048",
                 "--batches",
                 "2",
+                "--decode-prompt",
+                "24",
                 "--dtype",
                 "float32",
                 "--out",
@@ -38,7 +40,7 @@ def test_one_round_has_every_row(load_benchmark, tmp_path: Path, capsys) -> None
         "prefill tok/s, L = 16",
         "% of the highest peak",
         "L = 2048 in 512-token chunks (engine)",
-        "decode tok/s, batch 2",
+        "decode tok/s, batch 2 (24-token prompts)",
         "CPU time of the process, 1 thread",
     ):
         assert needle in table

@@ -17,7 +17,33 @@ import pytest
 pytest.importorskip("transformers")
 
 
-def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path, native_dtype: str) -> None:
+def test_burst_flops_are_prefills_and_decode_steps(load_benchmark) -> None:
+    """One prompt with one output token is its prefill; each further output token adds a decode step:
+    the weights outside the embedding, its attention over the context, one logits row."""
+    bench = load_benchmark("engine_vs_vllm")
+    cfg = bench.ModelConfig(
+        architecture="LlamaForCausalLM",
+        max_position_embeddings=64,
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    request = bench.TraceRequest(0.0, 10, 1)
+    assert bench.burst_flops(cfg, [request]) == bench.prefill_flops(cfg, 10)
+    body = cfg.num_params - 2 * 100 * 64  # untied: embedding and LM head
+    step = 2 * body + 2 * 64 * 100
+    per_key = 4 * 4 * 16 * 2
+    three = bench.burst_flops(cfg, [bench.TraceRequest(0.0, 10, 3)])
+    assert three == bench.prefill_flops(cfg, 10) + 2 * step + per_key * (11 + 12)
+
+
+def test_plaserve_side_has_every_row(
+    load_benchmark, tmp_path: Path, native_dtype: str, capsys
+) -> None:
     bench = load_benchmark("engine_vs_vllm")
     sizes = dataclasses.replace(
         bench.QUICK,
@@ -40,6 +66,7 @@ def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path, native_dtyp
     assert results["systems"] == ["fcfs", "pla"]  # vLLM's place first, then fcfs, then pla
     block = results["runs"]["small"][native_dtype]
     assert block["calibrated_on"] == "fcfs" and block["num_params"] > 20e6
+    assert block["burst_flops"] > 0
     for system in ("fcfs", "pla"):
         r = block["systems"][system]
         assert "error" not in r, r.get("error")
@@ -80,6 +107,7 @@ def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path, native_dtyp
         "decode tok/s, batch 3",
         "burst of 6: wall s",
         "burst of 6: requests/s",
+        "burst of 6: % of matmul peak",
         "trace: busy %",
         "trace: TTFT short p50, ms",
         "trace: TTFT short p99, ms",
@@ -89,7 +117,13 @@ def test_plaserve_side_has_every_row(load_benchmark, tmp_path: Path, native_dtyp
         for cell in cells:
             assert float(re.sub(r"[ |,]", "", cell)) > 0, (label, cell)
     assert "Targets" in report and "prefill at L = 64 >= 60% of the matmul peak" in report
-    json.dumps(results)  # what --out writes must be JSON-serialisable
+    # --report renders a saved run; one from before burst FLOPs were recorded gets them from the
+    # checkpoint's config.
+    saved = tmp_path / "run.json"
+    del block["burst_flops"]
+    saved.write_text(json.dumps(results))  # what --out writes must be JSON-serialisable
+    assert bench.main(["--report", str(saved), "--checkpoints", str(tmp_path / "ckpt")]) == 0
+    assert "burst of 6: % of matmul peak" in capsys.readouterr().out
     # A second build of the same model reuses the checkpoint.
     assert bench.build_checkpoint(
         bench.MODELS["small"], tmp_path / "ckpt" / "small", reuse=True
