@@ -482,6 +482,18 @@ def next_time_scale(tried: list[dict[str, Any]], target: float, duration: float)
     return last["busy"] * last["wall_s"] / (target * duration)
 
 
+def trace_slice(sizes: dict[str, Any]) -> list[TraceRequest]:
+    """The trace slice of a run's sizes (:class:`Sizes` as a dict, as the JSON holds them)."""
+    return load_trace(
+        sizes["trace"],
+        start=sizes["trace_start"],
+        limit=sizes["trace_requests"],
+        length_scale=sizes["length_scale"],
+        max_output_tokens=sizes["max_output"],
+        max_prompt_tokens=sizes["max_model_len"] - sizes["max_output"],
+    )
+
+
 def burst_flops(cfg: ModelConfig, slice_: list[TraceRequest]) -> float:
     """The arithmetic of the burst: each prompt's prefill (:func:`prefill_flops`, its sampled row
     included) and each later output token's decode step (2 per weight outside the embedding and the
@@ -728,14 +740,7 @@ def run_benchmark(
     for model in models:
         model_dir = build_checkpoint(MODELS[model], checkpoints / model, reuse)
         cfg = ModelConfig.from_pretrained(str(model_dir))
-        slice_ = load_trace(
-            sizes.trace,
-            start=sizes.trace_start,
-            limit=sizes.trace_requests,
-            length_scale=sizes.length_scale,
-            max_output_tokens=sizes.max_output,
-            max_prompt_tokens=sizes.max_model_len - sizes.max_output,
-        )
+        slice_ = trace_slice(dataclasses.asdict(sizes))
         for dtype in dtypes:
             block: dict[str, Any] = {
                 "num_params": cfg.num_params,
@@ -1041,15 +1046,7 @@ def override(sizes: Sizes, settings: list[str]) -> Sizes:
 def with_burst_flops(results: dict[str, Any], checkpoints: Path) -> dict[str, Any]:
     """``results`` with ``burst_flops`` in every block, from the checkpoint's config and the run's trace
     slice, where the run did not record it."""
-    sz = results["sizes"]
-    slice_ = load_trace(
-        sz["trace"],
-        start=sz["trace_start"],
-        limit=sz["trace_requests"],
-        length_scale=sz["length_scale"],
-        max_output_tokens=sz["max_output"],
-        max_prompt_tokens=sz["max_model_len"] - sz["max_output"],
-    )
+    slice_ = trace_slice(results["sizes"])
     for model, by_dtype in results["runs"].items():
         for block in by_dtype.values():
             if "burst_flops" not in block and (checkpoints / model / "config.json").exists():
