@@ -112,7 +112,7 @@ def measure(
     def engine(batch: int) -> LLMEngine:
         """An fcfs engine on ``loaded`` with room for ``batch`` prompts of ``decode_prompt`` tokens
         (and their outputs) in its cache and in its first step."""
-        kv_bytes = cfg.kv_bytes_per_token * torch.tensor([], dtype=dtype).element_size()
+        kv_bytes = cfg.kv_bytes_per_token * dtype.itemsize
         kv_mib = max(512, -(-2 * batch * (decode_prompt + 32) * kv_bytes // 2**20))
         return LLMEngine(
             EngineConfig.from_kwargs(

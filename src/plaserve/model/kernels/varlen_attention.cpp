@@ -171,6 +171,18 @@ Packed packed_buffer(size_t elements) {
   return Packed(p);
 }
 
+// A packed_buffer kept from call to call by its owner, grown when a call needs more: freshly
+// allocated, megabytes of it would page-fault in at every layer.
+struct KeptBuffer {
+  Packed data;
+  size_t size = 0;
+
+  uint16_t* room(size_t elements) {
+    if (size < elements) data = packed_buffer(elements), size = elements;
+    return data.get();
+  }
+};
+
 // Keys are read in chunk pairs of 32: a sequence's packed keys are padded to that, not to kBlockK.
 int64_t padded_keys(int64_t k_len) { return (k_len + 31) / 32 * 32; }
 
@@ -219,9 +231,9 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_s
   const int64_t padded = padded_keys(k_len);
   for (int64_t j0 = 0; j0 < padded; j0 += 16) {
     auto* dst = reinterpret_cast<int32_t*>(kp + j0 * D);  // chunk j0 / 16: (D / 2) x 16 pairs
-    bool run = D % 32 == 0 && j0 + 16 <= k_len;
-    for (int i = 1; run && i < 16; ++i) run = index[j0 + i] == index[j0] + i;
-    if (run) {
+    bool contiguous = D % 32 == 0 && j0 + 16 <= k_len;
+    for (int i = 1; contiguous && i < 16; ++i) contiguous = index[j0 + i] == index[j0] + i;
+    if (contiguous) {
       const uint16_t* first = k + index[j0] * k_stride + head * D;
       for (int c = 0; c < D / 32; ++c) {  // dimension pairs 16 c .. 16 c + 15
         __m512i r[16];
@@ -270,13 +282,7 @@ struct Scratch {
   std::vector<float> s, o, m, l;
   std::vector<uint16_t> p;
   std::vector<const uint16_t*> qrow;
-  Packed own;  // the packed K/V of a (sequence, K/V head) packed inside its work item
-  size_t own_size = 0;
-
-  uint16_t* room(size_t elements) {
-    if (own_size < elements) own = packed_buffer(elements), own_size = elements;
-    return own.get();
-  }
+  KeptBuffer own;  // the packed K/V of a (sequence, K/V head) packed inside its work item
 };
 
 // Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`, over
@@ -798,18 +804,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       total += packed_stride(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
   // Uninitialised (not a vector's zero fill: pack_kv writes every element the products read). Kept
-  // by the calling thread from call to call (freshly allocated, megabytes of it would page-fault in
-  // at every layer), up to kKeptPacked elements; a larger batch (chunks after very long prefixes)
-  // gets a buffer of its own.
+  // by the calling thread from call to call, up to kKeptPacked elements; a larger batch (chunks after
+  // very long prefixes) gets a buffer of its own.
   constexpr size_t kKeptPacked = size_t{64} << 20;  // 128 MiB of bfloat16
-  thread_local Packed kept;
-  thread_local size_t kept_size = 0;
+  thread_local KeptBuffer kept;
   Packed once;
   const auto need = static_cast<size_t>(2 * total);
   uint16_t* packed;
   if (need <= kKeptPacked) {
-    if (kept_size < need) kept = packed_buffer(need), kept_size = need;
-    packed = kept.get();
+    packed = kept.room(need);
   } else {
     once = packed_buffer(need);
     packed = once.get();
@@ -886,7 +889,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
         }
         const int64_t k_len = b.k_starts[it.seq + 1] - b.k_starts[it.seq];
         const int64_t size = packed_stride(k_len) * D;
-        uint16_t* own = w.room(static_cast<size_t>(2 * size));
+        uint16_t* own = w.own.room(static_cast<size_t>(2 * size));
         pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, b.index + b.k_starts[it.seq], k_len, it.head,
                    own, own + size);
         attend<D>(b, it.seq, it.head, it.q0, own, own + size, w);
