@@ -1,5 +1,5 @@
 // How fast this CPU's AMX unit multiplies bfloat16 tiles, and what loading tiles costs: the ceiling of
-// a tiled linear layer (plaserve/model/kernels/amx_linear.cpp), from nothing but tile instructions.
+// a tiled linear layer (plaserve/model/kernels/packed_linear.cpp), from nothing but tile instructions.
 //
 // Each pattern runs 2,000,000 iterations of 4 tile products (16 x 32 by 32 x 16 bfloat16 into 16 x 16
 // float32: 16,384 FLOP each) on every OpenMP thread, with 0, 2, 4 or 5 tile loads (1 KB each, from a few
@@ -9,7 +9,7 @@
 //   2 loads    one A and one B tile reloaded an iteration, two tiles kept
 //   2x2        two A and two B tiles loaded, each used twice: a 2 x 2 block of a linear layer
 //   2x2 late   the same loads, each issued right after its tile's last product of the iteration
-//   1x4        one A tile and four B tiles (one B tile register reused): amx_linear.cpp's decode kernel
+//   1x4        one A tile and four B tiles (one B tile register reused): packed_linear.cpp's AMX path
 //
 // Build and run (docs/BENCHMARKS.md, "The night of 2026-12-04"):
 //

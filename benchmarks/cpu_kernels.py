@@ -23,9 +23,9 @@ floats, where subnormal ones cost a microcode assist each (10-16x slower before 
 matmuls (``matmul.cpp``): the four projections of 8 layers of the engine_vs_vllm ``small`` model
 (hidden 512, MLP 1,536, GQA 8/2) and of Qwen2.5-0.5B's shapes, each layer its own weights (so they are
 not all in cache, as in a forward pass), at 256-2,048 rows, by one oneDNN call and with the rows split
-between the threads; and the span ``row_split_span`` picks for each weight. The AMX linear
-(``amx_linear.cpp``) against oneDNN's packed linear at 1-256 rows, on the same shapes and Qwen2.5-0.5B's
-tied LM head.
+between the threads; and the span ``row_split_span`` picks for each weight. The packed linear
+(``packed_linear.cpp``: AMX tiles, or AVX512-BF16 without them) against oneDNN's packed linear at 1-512
+rows, on the same shapes and Qwen2.5-0.5B's tied LM head.
 
 Best of 7 each, on every torch thread.
 
@@ -309,18 +309,21 @@ def row_split() -> None:
             print(f"| {k} x {n} | {f'({lo}, {hi}]' if hi else 'never'} |")
 
 
-def amx_linear() -> None:
-    """The AMX linear against oneDNN's packed linear (``mkldnn._linear_pointwise``, the layout it
+def packed_linear() -> None:
+    """The packed linear against oneDNN's packed linear (``mkldnn._linear_pointwise``, the layout it
     replaced) on decode-sized steps: a layer's four projections, 8 layers each with its own weights
     (so they stream from memory, as in a decode step), and the tied LM head of Qwen2.5-0.5B."""
-    ops = kernels.amx_linear()
-    if not built(ops, "the AMX linear is"):
+    ops = kernels.packed_linear()
+    if not built(ops, "the packed linear is"):
         return
     # As the engine runs it: freed activations stay in the heap. Without this, every call's output is
-    # fresh pages, and the AMX linear, whose threads write it in column strips across all rows, took
-    # 166 ms for 256 rows of the head (a 78 MB output) against oneDNN's 29 (2026-12-03 22:28).
+    # fresh pages, and the packed linear (on AMX), whose threads write it in column strips across all
+    # rows, took 166 ms for 256 rows of the head (a 78 MB output) against oneDNN's 29 (2026-12-03 22:28).
     keep_freed_memory()
-    print("\n| model | rows | oneDNN packed (ms, 8 layers) | AMX linear (ms) | oneDNN / AMX |")
+    print(
+        f"\n| model | rows | oneDNN packed (ms, 8 layers) | packed linear ({ops.isa}, ms) | "
+        "oneDNN / ours |"
+    )
     print("|---|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     cases = {**PROJECTIONS, "qwen2.5-0.5b head": [(896, 151936)]}
@@ -330,22 +333,22 @@ def amx_linear() -> None:
             [torch.randn(n, k, generator=gen).bfloat16() for k, n in shapes] for _ in range(layers)
         ]
         onednn = [[_reorder(w) for w in layer] for layer in weights]
-        amx = [[ops.pack(w) for w in layer] for layer in weights]
-        for rows in (1, 16, 64, 256):
+        ours = [[ops.pack(w) for w in layer] for layer in weights]
+        for rows in (1, 4, 16, 64, 256, 512):
             xs = [torch.randn(rows, k, generator=gen).bfloat16() for k, _ in shapes]
 
             def run(mine: bool) -> None:
-                for layer in amx if mine else onednn:
+                for layer in ours if mine else onednn:
                     for x, w, (_, n) in zip(xs, layer, shapes):
                         ops.linear(x, w, None, n) if mine else _packed_linear(x, w, None)
 
-            theirs, ours = best_of(lambda: run(False), 5), best_of(lambda: run(True), 5)
+            theirs, mine = best_of(lambda: run(False), 5), best_of(lambda: run(True), 5)
             print(
-                f"| {model} | {rows} | {theirs * 1e3:.2f} | {ours * 1e3:.2f} | {theirs / ours:.2f}x |"
+                f"| {model} | {rows} | {theirs * 1e3:.2f} | {mine * 1e3:.2f} | {theirs / mine:.2f}x |"
             )
 
 
-SECTIONS = ("attention", "magnitudes", "elementwise", "token_masks", "row_split", "amx_linear")
+SECTIONS = ("attention", "magnitudes", "elementwise", "token_masks", "row_split", "packed_linear")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             ("elementwise", elementwise),
             ("token_masks", token_masks),
             ("row_split", row_split),
-            ("amx_linear", amx_linear),
+            ("packed_linear", packed_linear),
         ):
             if name in only:
                 section()

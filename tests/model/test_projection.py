@@ -10,8 +10,10 @@ from plaserve.model import kernels, layers
 from plaserve.model.layers import Projection, prepacked_pays, row_split_span
 
 SPLIT = kernels.row_split_mm()
-AMX = kernels.amx_linear()
-needs_amx = pytest.mark.skipif(AMX is None, reason="no AMX linear here (no AMX or no g++)")
+PACKED = kernels.packed_linear()
+needs_packed = pytest.mark.skipif(
+    PACKED is None, reason="no packed linear here (no AVX512-BF16 or no g++)"
+)
 needs_split = pytest.mark.skipif(
     SPLIT is None, reason="the row-split matmul is not built here (no AVX512-BF16 or no g++)"
 )
@@ -31,10 +33,10 @@ def packing(request, monkeypatch):
 
 
 def _packs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a projection of ``weight`` (``[out, in]``) gets a packed copy: the AMX linear's where
-    it takes the shape, else oneDNN's where that pays."""
-    amx = AMX is not None and dtype == torch.bfloat16 and AMX.fits(weight.to(dtype))
-    return amx or layers.prepacked_pays(dtype)
+    """Whether a projection of ``weight`` (``[out, in]``) gets a packed copy: the packed linear's
+    where it takes the shape, else oneDNN's where that pays."""
+    own = PACKED is not None and dtype == torch.bfloat16 and PACKED.fits(weight.to(dtype))
+    return own or layers.prepacked_pays(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -212,11 +214,11 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
     return (out if bias is None else out + bias.float()).bfloat16()
 
 
-@needs_amx
+@needs_packed
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 130])
 @pytest.mark.parametrize("shape", [(80, 96), (768, 512)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_amx_linear_equals_one_rounding_of_the_float32_product(rows, shape, bias):
+def test_packed_linear_equals_one_rounding_of_the_float32_product(rows, shape, bias):
     """Every row count (a partial last tile of rows, several tiles), outputs in groups of 64 and a
     partial last group, with and without bias, x's rows read at a stride (a slice of a wider tensor):
     the float32 sums rounded once, as torch's linear gives them (at most one bfloat16 step apart where
@@ -228,16 +230,16 @@ def test_amx_linear_equals_one_rounding_of_the_float32_product(rows, shape, bias
     wide = torch.randn(rows, k + 32, generator=gen).bfloat16()
     x = wide[:, 16 : 16 + k]  # each row contiguous, rows k + 32 apart
     with torch.inference_mode():
-        got = AMX.linear(x, AMX.pack(w), b, n)
+        got = PACKED.linear(x, PACKED.pack(w), b, n)
     want = _reference(x, w, b)
     assert got.shape == (rows, n) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
 
 
-@needs_amx
-def test_bfloat16_projections_use_the_amx_linear_up_to_their_packed_rows():
+@needs_packed
+def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
     """A bfloat16 projection whose shape the kernel takes multiplies steps of up to
-    ``max_packed_rows`` rows by the AMX layout (one flat copy), larger ones by the plain weight, and a
+    ``max_packed_rows`` rows by the kernel's layout (one flat copy), larger ones by the plain weight, and a
     row that is not contiguous goes the plain way too; all as ``nn.Linear`` does."""
     gen = torch.Generator().manual_seed(5)
     lin = nn.Linear(64, 48, bias=True).bfloat16()
@@ -248,9 +250,9 @@ def test_bfloat16_projections_use_the_amx_linear_up_to_their_packed_rows():
     proj = Projection([lin])
     assert proj.packed is not None and proj.packed.shape == (48 * 64,)
     calls = []
-    real = AMX.linear
+    real = PACKED.linear
     try:
-        AMX.linear = lambda *args: calls.append(args[0].shape[0]) or real(*args)
+        PACKED.linear = lambda *args: calls.append(args[0].shape[0]) or real(*args)
         for rows in (1, 16, proj.max_packed_rows + 1):
             x = torch.randn(rows, 64, generator=gen).bfloat16()
             torch.testing.assert_close(
@@ -261,5 +263,5 @@ def test_bfloat16_projections_use_the_amx_linear_up_to_their_packed_rows():
             proj(strided).float(), _reference(strided, w, b).float(), rtol=2**-7, atol=0.05
         )
     finally:
-        AMX.linear = real
+        PACKED.linear = real
     assert calls == [1, 16]

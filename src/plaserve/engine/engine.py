@@ -507,6 +507,16 @@ class LLMEngine:
                 self.set_cost_model(self.online.model)
         self.num_steps += 1
         self.num_preemptions += len(batch.preempted)
+        if log.isEnabledFor(logging.DEBUG):  # `plaserve serve --log-level debug`: every step
+            log.debug(
+                "step %d, %s: %.1f ms, prompt tokens %s, %d decode rows, cost model %s",
+                self.num_steps,
+                batch.kind,
+                (end - start) * 1e3,
+                [n for n, _ in work if n > 1],
+                sum(1 for n, _ in work if n == 1),
+                self.cost.source,
+            )
         return self._process_samples(batch, sampled, end)
 
     def _process_samples(

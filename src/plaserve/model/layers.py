@@ -204,12 +204,12 @@ class Projection:
     On CPU the fused weight is stored transposed (``[in, out]``, contiguous): MKL multiplies a few rows
     (a float32 decode batch) by that layout up to twice as fast as by the ``[out, in]`` one ``F.linear``
     hands it, and long prefills as fast. Steps of up to ``max_packed_rows`` rows multiply by a second
-    copy, packed once (these weights then take twice their size): in bfloat16 on CPUs with AMX, in the
-    layout of :func:`plaserve.model.kernels.amx_linear` (faster than oneDNN's on decode-sized
-    steps, docs/BENCHMARKS.md); elsewhere, where :func:`prepacked_pays` (bfloat16 / float16 wherever
-    oneDNN can pack them, float32 where a probe finds it faster on this CPU), in oneDNN's blocked
-    layout (``mkldnn._linear_pointwise``). Larger steps whose row
-    count lies in :func:`row_split_span` multiply with their rows split between the threads.
+    copy, packed once (these weights then take twice their size): in bfloat16 on CPUs with
+    AVX512-BF16, in the layout of :func:`plaserve.model.kernels.packed_linear` (faster than oneDNN's
+    on decode-sized steps, docs/BENCHMARKS.md); elsewhere, where :func:`prepacked_pays` (bfloat16 /
+    float16 wherever oneDNN can pack them, float32 where a probe finds it faster on this CPU), in
+    oneDNN's blocked layout (``mkldnn._linear_pointwise``). Larger steps whose row count lies in
+    :func:`row_split_span` multiply with their rows split between the threads.
     Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
@@ -241,12 +241,12 @@ class Projection:
                 )
             on_cpu = weight.device.type == "cpu"
             self.transposed = on_cpu and not shared
-            amx = kernels.amx_linear() if on_cpu and weight.dtype == torch.bfloat16 else None
+            own = kernels.packed_linear() if on_cpu and weight.dtype == torch.bfloat16 else None
             self.packed: torch.Tensor | None = None
             self._packed_call: Callable[[torch.Tensor], torch.Tensor] | None = None
-            if amx is not None and amx.fits(weight):
-                packed, n = amx.pack(weight.contiguous()), weight.shape[0]
-                self.packed, self._packed_call = packed, lambda x: amx.linear(x, packed, bias, n)
+            if own is not None and own.fits(weight):
+                packed, n = own.pack(weight.contiguous()), weight.shape[0]
+                self.packed, self._packed_call = packed, lambda x: own.linear(x, packed, bias, n)
             elif on_cpu and prepacked_pays(weight.dtype):
                 packed = _reorder(weight)
                 self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)

@@ -10,8 +10,9 @@
   (``token_mask.cpp``), or None.
 * ``row_split_mm()``: a matmul with its rows split between the threads, one single-threaded oneDNN
   call each (``matmul.cpp``), or None; ``model/layers.py`` times it against the plain matmul.
-* ``amx_linear()``: a bfloat16 linear layer on AMX tiles over a weight in its own packed layout
-  (``amx_linear.cpp``), or None; ``model/layers.py`` uses it for steps of up to a few hundred rows.
+* ``packed_linear()``: a bfloat16 linear layer over a weight in its own packed layout, on AMX tiles
+  where the CPU has them, else in AVX512-BF16 (``packed_linear.cpp``), or None; ``model/layers.py``
+  uses it for steps of up to a few hundred rows.
 * ``kv_writer()``: a step's new K and V rows into the paged cache in one call (``kv_write.cpp``), or
   None.
 
@@ -49,8 +50,8 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 ISA_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
-# The attention kernel's AMX tile multiplies (used only where the CPU and the OS have them: checked at
-# run time in the kernel).
+# The AMX tile multiplies of the attention kernel and the packed linear (used only where the CPU and the
+# OS have them: checked at run time in the kernel).
 AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 
 # (q, k, v, out, q_starts, k_index, k_starts, scale) -> None; see varlen_attention.cpp
@@ -266,12 +267,14 @@ def token_mask() -> Callable[..., None] | None:
     return op
 
 
-class AmxLinear:
+class PackedLinear:
     """``pack(w)`` lays a bfloat16 weight ``[N, K]`` (N a multiple of 16, K of 32) out for
-    ``linear(x, packed, bias, n)``: ``x @ w.T + bias`` on AMX tiles, rounded once (amx_linear.cpp)."""
+    ``linear(x, packed, bias, n)``: ``x @ w.T + bias``, rounded once (packed_linear.cpp), on the
+    instructions ``isa`` names ("AMX" or "AVX512-BF16")."""
 
     def __init__(self) -> None:
         ops = torch.ops.plaserve_linear
+        self.isa: str = ops.isa()
         self.pack: Callable[[torch.Tensor], torch.Tensor] = ops.pack
         # the overload itself: a projection calls it for every step (no overload resolution)
         self.linear: Callable[..., torch.Tensor] = ops.linear.default
@@ -284,15 +287,12 @@ class AmxLinear:
 
 
 @functools.cache
-def amx_linear() -> AmxLinear | None:
-    """The AMX linear layer where the CPU has AMX, it is built and it agrees here with torch's
+def packed_linear() -> PackedLinear | None:
+    """The packed linear layer where it is built (CPUs with AVX512-BF16) and agrees here with torch's
     ``F.linear`` (same float32 sums, rounded once: to the last bit or one rounding step), else None."""
-    if not _loaded("amx_linear.cpp", "CPU AMX linear", (AMX_FLAGS,)):
+    if not _loaded("packed_linear.cpp", "CPU packed linear", (AMX_FLAGS, ())):
         return None
-    if not torch.ops.plaserve_linear.available():
-        log.info("CPU AMX linear: not used (no AMX here)")
-        return None
-    ops = AmxLinear()
+    ops = PackedLinear()
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(80, 96, generator=gen).bfloat16()
     bias = torch.randn(80, generator=gen).bfloat16()
@@ -303,8 +303,9 @@ def amx_linear() -> AmxLinear | None:
             want = (x.float() @ w.float().T + bias.float()).bfloat16().float()
             got = ops.linear(x, packed, bias, 80).float()
             if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
-                log.warning("CPU AMX linear: disagrees with torch here; not used")
+                log.warning("CPU packed linear (%s): disagrees with torch here; not used", ops.isa)
                 return None
+    log.info("CPU packed linear: used (%s)", ops.isa)
     return ops
 
 

@@ -1,4 +1,4 @@
-// What the AMX kernels of this folder share (varlen_attention.cpp, amx_linear.cpp): whether this
+// What the AMX kernels of this folder share (varlen_attention.cpp, packed_linear.cpp): whether this
 // process may use the tiles, and the tile configuration's memory layout.
 #pragma once
 

@@ -31,6 +31,7 @@
 #include <torch/library.h>
 
 #include "avx512_exp.h"
+#include "bf16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -62,11 +63,7 @@ constexpr int64_t kParallelMinWork = 32768;
 using plaserve::exp2_p_flushed;
 using plaserve::FlushDenormals;
 
-inline __m512bh pair(const uint16_t* p) {  // two bf16 values broadcast to every 32-bit lane
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return (__m512bh)_mm512_set1_epi32(bits);
-}
+using plaserve::pair;
 
 inline __m512bh load_bh(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
@@ -660,9 +657,7 @@ void pv_direct(const Batch& b, const int64_t* index, int64_t k_len, int64_t g, c
     }
     __m512 vv[NV];
     for (int c = 0; c < NV; ++c)
-      vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * c))),
-          16));
+      vv[c] = plaserve::widen16(row + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 p = _mm512_set1_ps(pt[j * 16 + r0 + r]);
       for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);

@@ -1,0 +1,265 @@
+// A bfloat16 linear layer y = x W^T (+ b) over a weight packed once in its own layout, for steps of up
+// to a few hundred rows: decode batches and short prefills. On AMX tiles where the CPU has them, else
+// in AVX512-BF16's vdpbf16ps (built and loaded by plaserve/model/kernels; plaserve/model/layers.py's
+// Projection uses it where it loads, oneDNN's packed linear elsewhere).
+//
+// Why: oneDNN's packed linear spends ~14 us a call before it multiplies (measured single-threaded on a
+// 16 x 128 x 128 product), and a decode step makes 4 such calls a layer; without AMX, its decode-sized
+// products also wait on memory, where this kernel prefetches the weights it streams
+// (docs/BENCHMARKS.md).
+//
+// The layout: [N/16][K/32][16 K-pairs][16 outputs][2], flat. A 16 x 64-byte tile of it is AMX's B
+// operand; each 64-byte row is one vdpbf16ps operand (16 outputs x one K-pair). Each block of 16
+// outputs' rows is contiguous, so a thread streams its outputs' weights in order. Each thread takes
+// groups of 4 blocks (64 outputs) and runs down K for each slice of rows of x (AMX: 16 rows, the A
+// tile, into C tiles 0-3; AVX512-BF16: 8 rows into 8 x 2 or 4 x 4 vector accumulators): the weights
+// cross memory once a step whatever the row count up to that slice, and from cache after.
+// Products accumulate in float32 and are rounded to bfloat16 once, with the bias added before.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "bf16.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"
+#define PLASERVE_AMX 1
+#endif
+
+namespace {
+
+constexpr int kGroup = 4;  // 16-output blocks a thread takes at a time
+
+// The operands of one call: x's rows at a stride, the packed weight, the bias (or null), the output.
+struct Operands {
+  const uint16_t* x;
+  int64_t x_stride;
+  const uint16_t* w;
+  const uint16_t* bias;
+  uint16_t* out;
+  int64_t n, k;
+  int64_t block_step() const { return k * 16; }  // from one output block's weights to the next's
+};
+
+// 16 float32 sums of output block `nb` plus its bias, rounded to bfloat16 into row r of the output.
+inline void store_row(const Operands& o, int64_t r, int64_t nb, __m512 sums) {
+  if (o.bias != nullptr) sums = _mm512_add_ps(sums, plaserve::widen16(o.bias + nb * 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.out + r * o.n + nb * 16),
+                      (__m256i)_mm512_cvtneps_pbh(sums));
+}
+
+#ifdef PLASERVE_AMX
+bool amx() {
+  static const bool ok = plaserve::amx_available();
+  return ok;
+}
+
+using plaserve::TileConfig;
+
+// C tiles 0-3 (rows x 16 float32) and the A tile 4 (rows x 32 bfloat16) hold `rows` rows of x; the B
+// tiles 5-7, 16 K-pairs.
+void load_config(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = t < 5 ? rows : 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+inline void store_tile(int t, float* c) {
+  switch (t) {  // tile numbers are immediates
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+}
+
+// Output blocks [first, last) of kGroup each, every row of x, on AMX tiles.
+void amx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
+  const int64_t x_stride = o.x_stride, k_blocks = o.k / 32, n_blocks = o.n / 16;
+  const int64_t block_step = o.block_step();
+  int configured = -1;
+  alignas(64) float c[16 * 16];
+  for (int64_t g = first; g < last; ++g) {
+    const int64_t nb0 = g * kGroup;
+    const int blocks = static_cast<int>(std::min<int64_t>(kGroup, n_blocks - nb0));
+    for (int64_t r0 = 0; r0 < m; r0 += 16) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, m - r0));
+      if (rows != configured) load_config(rows), configured = rows;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* xr = o.x + r0 * x_stride;
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        _tile_loadd(4, xr + kb * 32, x_stride * 2);
+        const uint16_t* w = o.w + (nb0 * k_blocks + kb) * 512;
+        _tile_loadd(5, w, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (blocks > 1) {
+          _tile_loadd(6, w + block_step, 64);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (blocks > 2) {
+          _tile_loadd(7, w + 2 * block_step, 64);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (blocks > 3) {
+          _tile_loadd(5, w + 3 * block_step, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      for (int j = 0; j < blocks; ++j) {
+        store_tile(j, c);
+        for (int r = 0; r < rows; ++r) store_row(o, r0 + r, nb0 + j, _mm512_load_ps(c + r * 16));
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// Weight rows (64 bytes, one K-pair of a block) read this far ahead are prefetched: left to the
+// hardware prefetcher, a decode step's weights, streamed from memory, kept the products waiting on it
+// (docs/BENCHMARKS.md).
+constexpr int64_t kPrefetchPairs = 64;
+constexpr int kSliceRows = 8;  // rows of x an AVX512-BF16 tile takes
+
+// R rows of x (from row r0) times output blocks [nb0, nb0 + G): R x G float32 vectors of sums, one
+// vdpbf16ps per K-pair each, kept in registers down the whole of K.
+template <int R, int G>
+void dot_tile(const Operands& o, int64_t r0, int64_t nb0) {
+  __m512 acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  const uint16_t* x = o.x + r0 * o.x_stride;
+  const uint16_t* w = o.w + nb0 * o.block_step();
+  const int64_t pairs = o.k / 2, step = o.block_step();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[G];
+    for (int g = 0; g < G; ++g) {
+      const uint16_t* row = w + g * step + p * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchPairs * 32), _MM_HINT_T0);
+      wv[g] = (__m512bh)_mm512_loadu_si512(row);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = plaserve::pair(x + r * o.x_stride + 2 * p);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xv, wv[g]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) store_row(o, r0 + r, nb0 + g, acc[r][g]);
+}
+
+// R rows from r0 times `blocks` output blocks from nb0, G blocks a tile: at most 16 accumulators, so
+// that the weight vectors and the broadcast row of x stay in registers beside them.
+template <int R>
+void dot_rows(const Operands& o, int64_t r0, int64_t nb0, int blocks) {
+  constexpr int G = R <= 4 ? 4 : 2;
+  int b = 0;
+  for (; b + G <= blocks; b += G) dot_tile<R, G>(o, r0, nb0 + b);
+  for (; b < blocks; ++b) dot_tile<R, 1>(o, r0, nb0 + b);
+}
+
+using DotRows = void (*)(const Operands&, int64_t, int64_t, int);
+constexpr DotRows kDotRows[kSliceRows] = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &dot_rows<4>,
+                                          &dot_rows<5>, &dot_rows<6>, &dot_rows<7>, &dot_rows<8>};
+
+// Output blocks [first, last) of kGroup each, every row of x, in vdpbf16ps.
+void avx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
+  const int64_t n_blocks = o.n / 16;
+  for (int64_t g = first; g < last; ++g) {
+    const int64_t nb0 = g * kGroup;
+    const int blocks = static_cast<int>(std::min<int64_t>(kGroup, n_blocks - nb0));
+    for (int64_t r0 = 0; r0 < m; r0 += kSliceRows)
+      kDotRows[std::min<int64_t>(kSliceRows, m - r0) - 1](o, r0, nb0, blocks);
+  }
+}
+
+// Which instructions `linear` multiplies with here.
+std::string isa() {
+#ifdef PLASERVE_AMX
+  if (amx()) return "AMX";
+#endif
+  return "AVX512-BF16";
+}
+
+void check_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "packed_linear: a contiguous bfloat16 weight [N, K]");
+  TORCH_CHECK(w.size(0) % 16 == 0 && w.size(1) % 32 == 0,
+              "packed_linear: N a multiple of 16 and K of 32, not ", w.sizes());
+}
+
+// W [N, K] -> [N/16][K/32][16 K-pairs][16 outputs][2], flat.
+at::Tensor pack(const at::Tensor& w) {
+  check_weight(w);
+  const int64_t n = w.size(0), k = w.size(1), k_blocks = k / 32;
+  at::Tensor out = at::empty({n * k}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, n / 16, 1, [&](int64_t first, int64_t last) {
+    for (int64_t nb = first; nb < last; ++nb)
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        uint16_t* tile = dst + (nb * k_blocks + kb) * 512;
+        for (int p = 0; p < 16; ++p)
+          for (int o = 0; o < 16; ++o)
+            for (int e = 0; e < 2; ++e)
+              tile[p * 32 + o * 2 + e] = src[(nb * 16 + o) * k + kb * 32 + p * 2 + e];
+      }
+  });
+  return out;
+}
+
+// x [M, K] (rows at any stride) times the packed weight of `n` outputs, plus bias [n] where given.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "packed_linear: x [M, K] bfloat16, each row contiguous");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % 32 == 0 && n % 16 == 0 && packed.numel() == n * k &&
+                  packed.scalar_type() == at::kBFloat16,
+              "packed_linear: the packed weight of [", n, ", ", k, "]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n &&
+                                    bias->is_contiguous()),
+              "packed_linear: a contiguous bfloat16 bias [N]");
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0) return out;
+  const Operands o{reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                   x.stride(0),
+                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                   bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
+                   reinterpret_cast<uint16_t*>(out.data_ptr()),
+                   n,
+                   k};
+  const int64_t groups = (n / 16 + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
+#ifdef PLASERVE_AMX
+    if (amx()) return amx_groups(o, m, first, last);
+#endif
+    avx_groups(o, m, first, last);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(plaserve_linear, m) {
+  m.def("isa() -> str", &isa);
+  m.def("pack(Tensor w) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(plaserve_linear, CPU, m) {
+  m.impl("pack", &pack);
+  m.impl("linear", &linear);
+}
