@@ -239,8 +239,9 @@ def test_packed_linear_equals_one_rounding_of_the_float32_product(rows, shape, b
 @needs_packed
 def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
     """A bfloat16 projection whose shape the kernel takes multiplies steps of up to
-    ``max_packed_rows`` rows by the kernel's layout (one flat copy), larger ones by the plain weight, and a
-    row that is not contiguous goes the plain way too; all as ``nn.Linear`` does."""
+    ``max_packed_rows`` rows by the kernel's layout (one flat copy: decode-sized steps on AMX, prefills
+    too without it), larger ones by the plain weight, and a row that is not contiguous goes the plain
+    way too; all as ``nn.Linear`` does."""
     gen = torch.Generator().manual_seed(5)
     lin = nn.Linear(64, 48, bias=True).bfloat16()
     with torch.no_grad():
@@ -249,11 +250,18 @@ def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
     proj = Projection([lin])
     assert proj.packed is not None and proj.packed.shape == (48 * 64,)
+    amx = PACKED.isa == "AMX"
+    assert proj.max_packed_rows == (
+        Projection.PACKED_MAX_ROWS_HALF if amx else Projection.PACKED_MAX_ROWS_VNNI
+    )
+    if not amx:
+        assert proj.split_span == (0, 0)  # no row count left for a split: none timed
     calls = []
     real = PACKED.linear
+    sizes = (1, 16, 600, proj.max_packed_rows + 1)
     try:
         PACKED.linear = lambda *args: calls.append(args[0].shape[0]) or real(*args)
-        for rows in (1, 16, proj.max_packed_rows + 1):
+        for rows in sizes:
             x = torch.randn(rows, 64, generator=gen).bfloat16()
             torch.testing.assert_close(
                 proj(x).float(), _reference(x, w, b).float(), rtol=2**-7, atol=0.05
@@ -264,4 +272,4 @@ def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
         )
     finally:
         PACKED.linear = real
-    assert calls == [1, 16]
+    assert calls == [rows for rows in sizes if rows <= proj.max_packed_rows]

@@ -206,11 +206,12 @@ class Projection:
     hands it, and long prefills as fast. Steps of up to ``max_packed_rows`` rows multiply by a second
     copy, packed once (these weights then take twice their size): in bfloat16 on CPUs with
     AVX512-BF16, in the layout of :func:`plaserve.model.kernels.packed_linear` (faster than oneDNN's
-    on decode-sized steps, docs/BENCHMARKS.md); elsewhere, where :func:`prepacked_pays` (bfloat16 /
-    float16 wherever oneDNN can pack them, float32 where a probe finds it faster on this CPU), in
-    oneDNN's blocked layout (``mkldnn._linear_pointwise``). Larger steps whose row count lies in
-    :func:`row_split_span` multiply with their rows split between the threads.
-    Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
+    on decode-sized steps, and without AMX faster than MKL's on prefills too, docs/BENCHMARKS.md);
+    elsewhere, where :func:`prepacked_pays` (bfloat16 / float16 wherever oneDNN can pack them,
+    float32 where a probe finds it faster on this CPU), in oneDNN's blocked layout
+    (``mkldnn._linear_pointwise``). Larger steps whose row count lies in :func:`row_split_span`
+    multiply with their rows split between the threads. Elsewhere the weight stays as ``nn.Linear``
+    stores it, through ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added. ``split_rows``: whether to
@@ -223,6 +224,10 @@ class Projection:
     # half precision the packed one still wins up to 512 rows (docs/BENCHMARKS.md, "Native CPU kernels").
     PACKED_MAX_ROWS = 256
     PACKED_MAX_ROWS_HALF = 512
+    # Without AMX, plaserve's packed linear beat MKL's matmul by the plain weight at every row count
+    # measured, 128-4,096 (docs/BENCHMARKS.md, "The night of 2026-12-04 (21:56-)"): it takes every
+    # step up to there. With AMX it keeps the half-precision limit above.
+    PACKED_MAX_ROWS_VNNI = 4096
 
     def __init__(
         self, linears: list[nn.Linear], shared: bool = False, split_rows: bool = True
@@ -244,20 +249,24 @@ class Projection:
             own = kernels.packed_linear() if on_cpu and weight.dtype == torch.bfloat16 else None
             self.packed: torch.Tensor | None = None
             self._packed_call: Callable[[torch.Tensor], torch.Tensor] | None = None
-            if own is not None and own.fits(weight):
-                packed, n = own.pack(weight.contiguous()), weight.shape[0]
-                self.packed, self._packed_call = packed, lambda x: own.linear(x, packed, bias, n)
-            elif on_cpu and prepacked_pays(weight.dtype):
-                packed = _reorder(weight)
-                self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)
             self.max_packed_rows = (
                 self.PACKED_MAX_ROWS if weight.dtype == torch.float32 else self.PACKED_MAX_ROWS_HALF
             )
+            if own is not None and own.fits(weight):
+                packed, n = own.pack(weight.contiguous()), weight.shape[0]
+                self.packed, self._packed_call = packed, lambda x: own.linear(x, packed, bias, n)
+                if own.isa != "AMX":
+                    self.max_packed_rows = self.PACKED_MAX_ROWS_VNNI
+            elif on_cpu and prepacked_pays(weight.dtype):
+                packed = _reorder(weight)
+                self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)
             if self.transposed:
                 weight = weight.t().contiguous()
-            self.split_span = (  # (0, 0): never
+            # (0, 0): never. Not timed where the packed copy takes every row count the split could.
+            split = split_rows and self.max_packed_rows < SPLIT_PROBE_ROWS[-1]
+            self.split_span = (
                 row_split_span(*weight.shape, weight.dtype, torch.get_num_threads())
-                if self.transposed and split_rows
+                if self.transposed and split
                 else (0, 0)
             )
             start = 0
