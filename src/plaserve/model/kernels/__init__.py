@@ -12,7 +12,7 @@
   call each (``matmul.cpp``), or None; ``model/layers.py`` times it against the plain matmul.
 * ``packed_linear()``: a bfloat16 linear layer over a weight in its own packed layout, on AMX tiles
   where the CPU has them, else in AVX512-BF16 (``packed_linear.cpp``), or None; ``model/layers.py``
-  uses it for steps of up to a few hundred rows.
+  uses it for steps of up to a few hundred rows (on AMX) or a few thousand (without it).
 * ``kv_writer()``: a step's new K and V rows into the paged cache in one call (``kv_write.cpp``), or
   None.
 

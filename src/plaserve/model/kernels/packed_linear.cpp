@@ -1,7 +1,7 @@
-// A bfloat16 linear layer y = x W^T (+ b) over a weight packed once in its own layout, for steps of up
-// to a few hundred rows: decode batches and short prefills. On AMX tiles where the CPU has them, else
-// in AVX512-BF16's vdpbf16ps (built and loaded by plaserve/model/kernels; plaserve/model/layers.py's
-// Projection uses it where it loads, oneDNN's packed linear elsewhere).
+// A bfloat16 linear layer y = x W^T (+ b) over a weight packed once in its own layout. On AMX tiles
+// where the CPU has them, for steps of up to a few hundred rows (decode batches and short prefills);
+// else in AVX512-BF16's vdpbf16ps, for steps of up to 4,096 rows (built and loaded by
+// plaserve/model/kernels; plaserve/model/layers.py's Projection uses it where it loads).
 //
 // Why: oneDNN's packed linear spends ~14 us a call before it multiplies (measured single-threaded on a
 // 16 x 128 x 128 product), and a decode step makes 4 such calls a layer; without AMX, its decode-sized
