@@ -21,4 +21,9 @@ inline __m512 widen16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// 16 float32 values rounded to bfloat16 (to nearest even, as torch rounds: vcvtneps2bf16) and stored.
+inline void store16(uint16_t* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+
 }  // namespace plaserve

@@ -26,19 +26,9 @@ namespace {
 
 using bf16 = uint16_t;
 
-inline __m512 load16(const bf16* p) {  // 16 bfloat16 -> float32 (a bfloat16 is a float's top half)
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
 inline __m512 load16_masked(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-
-// float32 -> bfloat16, rounded to nearest even as torch rounds (vcvtneps2bf16)
-inline void store16(bf16* p, __m512 x) {
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
 inline void store16_masked(bf16* p, __m512 x, __mmask16 m) {

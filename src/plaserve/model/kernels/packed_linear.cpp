@@ -51,8 +51,7 @@ struct Operands {
 // 16 float32 sums of output block `nb` plus its bias, rounded to bfloat16 into row r of the output.
 inline void store_row(const Operands& o, int64_t r, int64_t nb, __m512 sums) {
   if (o.bias != nullptr) sums = _mm512_add_ps(sums, plaserve::widen16(o.bias + nb * 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.out + r * o.n + nb * 16),
-                      (__m256i)_mm512_cvtneps_pbh(sums));
+  plaserve::store16(o.out + r * o.n + nb * 16, sums);
 }
 
 #ifdef PLASERVE_AMX

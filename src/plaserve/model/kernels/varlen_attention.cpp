@@ -358,7 +358,7 @@ void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, const uint16_t* 
     const __m512 inv = _mm512_set1_ps(1.0f / w.l[r]);
     for (int c = 0; c < D / 16; ++c) {
       const __m512 o = _mm512_mul_ps(inv, _mm512_loadu_ps(w.o.data() + r * D + 16 * c));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(o));
+      plaserve::store16(dst + 16 * c, o);
     }
   }
 }
@@ -623,8 +623,7 @@ void attend_amx(const Batch& b, int64_t seq, int64_t g, int64_t q0) {
       const __m512 inv = _mm512_set1_ps(inv_l[r]);
       for (int c = 0; c < NC; ++c) {
         const __m512 x = _mm512_i32gather_ps(column, o + c * 256 + r, 4);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, x)));
+        plaserve::store16(dst + 16 * c, _mm512_mul_ps(inv, x));
       }
     }
   }
@@ -667,8 +666,7 @@ void pv_direct(const Batch& b, const int64_t* index, int64_t k_len, int64_t g, c
     const __m512 inv = _mm512_set1_ps(inv_l[r0 + r]);
     uint16_t* dst = out + (r0 + r) * D;
     for (int c = 0; c < NV; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(inv, acc[r][c])));
+      plaserve::store16(dst + 16 * c, _mm512_mul_ps(inv, acc[r][c]));
   }
 }
 
