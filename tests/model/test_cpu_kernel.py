@@ -1,7 +1,7 @@
 """The native CPU attention kernel (``plaserve.model.kernels``): against SDPA on every layout it is given
-(varlen prompts, chunks after a cached prefix, single decode rows, GQA groups of 1-8, head sizes 16 to
-128, K/V as strided views and as scattered cache slots), with its products on AMX tiles and on
-AVX512-BF16 dot products where the CPU has both, inside ``attention()`` on a mixed batch against the
+(varlen prompts, chunks after a cached prefix, single decode rows and batches of them, GQA groups of
+1-32, head sizes 16 to 128, K/V as strided views and as scattered cache slots), with its products on
+AMX tiles and on AVX512-BF16 dot products (both of that path's forms) where the CPU has both, inside ``attention()`` on a mixed batch against the
 SDPA path, and its fallbacks (no compiler, a failing build, switched off)."""
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def _assert_equals_reference(q, k, v, q_lens, k_lens, scale):
         [(5, 5), (33, 33), (200, 200)],  # fresh prompts: partial and several key blocks
         [(7, 300), (1, 17), (64, 64), (1, 1)],  # a chunk after a prefix, decode rows
         [(129, 257)],  # a query block boundary and a key block boundary
+        [(1, 40)] * 6 + [(1, 300)] * 3,  # decode rows enough to take all K/V heads an item
     ],
 )
 def test_kernel_equals_sdpa(heads, kv_heads, dim, lens, isa):

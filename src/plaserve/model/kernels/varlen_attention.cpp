@@ -11,16 +11,19 @@
 //  1. each (sequence, K/V head)'s keys and values are copied once into the layouts the products
 //     multiply, zero-padded to a multiple of 32 keys; the gather from the paged cache is this same
 //     copy. AVX512-BF16: pair-interleaved for vdpbf16ps (K: 16 keys x 2 dims a register, V: 16 dims x
-//     2 keys). AMX: K as it is (rows of keys), V transposed (rows of dimensions). Without AMX, a
-//     sequence whose queries make a single work item (decode rows, prompts of up to kBlockQ tokens)
-//     is packed in pass 2 instead, by that item, just before it reads the copy;
+//     2 keys); its transposed form reads the keys where they are and packs only the values. AMX: K as
+//     it is (rows of keys), V transposed (rows of dimensions). Without AMX, a sequence whose queries
+//     make a single work item (decode rows, prompts of up to kBlockQ tokens) is packed in pass 2
+//     instead, by that item, just before it reads the copy;
 //  2. work items of kBlockQ query tokens of one K/V head, times the query heads that share it (so
 //     one pass over a K/V block serves the whole GQA group), run online-softmax (flash) attention:
-//     float32 accumulation and softmax, P rounded to bfloat16 for the second product.
-//     AVX512-BF16 (attend): S = Q K^T and O += P V in vdpbf16ps over key blocks of kBlockK, the
-//     softmax row by row. AMX (attend_amx): the transposed form, 16 rows (token x head) at a time,
-//     S^T = K Q^T and O^T += V^T P^T as tile multiplies, so each key's scores are one vector over the
-//     16 rows and the softmax needs no horizontal reductions.
+//     float32 accumulation and softmax, P rounded to bfloat16 for the second product. The
+//     transposed form takes 16 rows (token x head) a vector: S^T = K Q^T and O^T += V^T P^T, so each
+//     key's scores are one vector over the 16 rows and the softmax needs no horizontal reductions;
+//     AMX runs every item so, as tile multiplies (attend_amx), AVX512-BF16 the items of 16 rows or
+//     more, in vdpbf16ps (attend_t). Fewer rows (a decode token's query heads) would fill a fraction
+//     of each vector: without AMX they take the plain form (attend), S = Q K^T and O += P V, 16 keys
+//     a vector and the softmax row by row.
 //     Decode rows (one query token) on AMX skip pass 1 and read K/V where they are (attend_direct).
 //     Items are taken largest-first from a shared counter, which keeps the two ends of a causal
 //     triangle balanced.
@@ -72,24 +75,49 @@ inline __mmask16 first_lanes(int n) {  // lanes [0, n) of 16, n clamped to [0, 1
   return static_cast<__mmask16>((1u << n) - 1u);
 }
 
-// S[r][0 .. 32) = Q[r] . K^T for R query rows and two 16-key chunks. kp: the chunk pair's packed
-// keys, [2][D/2][16 keys][2 dims]; s: R rows of stride ldS.
-template <int R, int D>
+// S[r][0 .. 16 C) = Q[r] . K^T for R query rows and C 16-key chunks. kp: the chunks' packed keys,
+// [C][D/2][16 keys][2 dims]; s: R rows of stride ldS.
+template <int R, int C, int D>
 inline void qk_tile(const uint16_t* const* q, const uint16_t* kp, float* s, int ldS) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int dp = 0; dp < D / 2; ++dp) {
-    const __m512bh k0 = load_bh(kp + dp * 32), k1 = load_bh(kp + (D / 2 + dp) * 32);
+    __m512bh k[C];
+    for (int c = 0; c < C; ++c) k[c] = load_bh(kp + (c * D / 2 + dp) * 32);
     for (int r = 0; r < R; ++r) {
       const __m512bh qr = pair(q[r] + 2 * dp);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], k0, qr);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], k1, qr);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qr);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(s + r * ldS, acc[r][0]);
-    _mm512_storeu_ps(s + r * ldS + 16, acc[r][1]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s + r * ldS + 16 * c, acc[r][c]);
+}
+
+// qk_tile over all `rows` rows, 6 at a time, then the rest in one tile.
+template <int C, int D>
+void qk_chunks(const uint16_t* const* q, int rows, const uint16_t* kp, float* s, int ldS) {
+  int r = 0;
+  for (; r + 6 <= rows; r += 6) qk_tile<6, C, D>(q + r, kp, s + r * ldS, ldS);
+  q += r, s += r * ldS;
+  switch (rows - r) {
+    case 5: qk_tile<5, C, D>(q, kp, s, ldS); break;
+    case 4: qk_tile<4, C, D>(q, kp, s, ldS); break;
+    case 3: qk_tile<3, C, D>(q, kp, s, ldS); break;
+    case 2: qk_tile<2, C, D>(q, kp, s, ldS); break;
+    case 1: qk_tile<1, C, D>(q, kp, s, ldS); break;
+    default: break;
   }
+}
+
+// S[r][0 .. 32 pairs32) for every row: 64 keys a pass over the rows (6 rows x 4 chunks, 24 of the 32
+// vector registers accumulating: 24 dot products for every 10 loads), a last 32 with 2 chunks.
+template <int D>
+void qk_rows(const uint16_t* const* q, int rows, const uint16_t* kp, int pairs32, float* s,
+             int ldS) {
+  int c = 0;
+  for (; c + 2 <= pairs32; c += 2) qk_chunks<4, D>(q, rows, kp + c * 32 * D, s + 32 * c, ldS);
+  if (c < pairs32) qk_chunks<2, D>(q, rows, kp + c * 32 * D, s + 32 * c, ldS);
 }
 
 // O[r] += P[r] . V for R rows over n_pairs key pairs. vp: [pairs][D dims][2 keys]; p: bf16 rows of
@@ -110,21 +138,6 @@ inline void pv_tile(const uint16_t* p, int ldP, const uint16_t* vp, int n_pairs,
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(o + r * D + c * 16, acc[r][c]);
-}
-
-template <int D>
-void qk_rows(const uint16_t* const* q, int rows, const uint16_t* kp, float* s, int ldS) {
-  constexpr int R = 6;
-  int r = 0;
-  for (; r + R <= rows; r += R) qk_tile<R, D>(q + r, kp, s + r * ldS, ldS);
-  switch (rows - r) {
-    case 5: qk_tile<5, D>(q + r, kp, s + r * ldS, ldS); break;
-    case 4: qk_tile<4, D>(q + r, kp, s + r * ldS, ldS); break;
-    case 3: qk_tile<3, D>(q + r, kp, s + r * ldS, ldS); break;
-    case 2: qk_tile<2, D>(q + r, kp, s + r * ldS, ldS); break;
-    case 1: qk_tile<1, D>(q + r, kp, s + r * ldS, ldS); break;
-    default: break;
-  }
 }
 
 template <int D>
@@ -152,30 +165,34 @@ struct Batch {
   float scale;
 };
 
-// The packed keys and values, page-aligned, so that every row of D keys or values starts on a cache
-// line. new[] aligns to 16 bytes only: a 128-byte row then spans three lines, and where the buffer
-// fell differed from process to process (one thread, 2,048 tokens: 8.4 ms in some processes, 12.4-13.4
-// in about half of them, always on the main thread).
+// The packed keys and values, and the work items' scratch, page-aligned, so that every row of D keys or
+// values, and every vector of scores, starts on a cache line. new[] aligns to 16 bytes only: a 128-byte
+// row then spans three lines, and where the buffer fell differed from process to process (one thread,
+// 2,048 tokens: 8.4 ms in some processes, 12.4-13.4 in about half of them).
 struct FreeDeleter {
-  void operator()(uint16_t* p) const { std::free(p); }
+  void operator()(void* p) const { std::free(p); }
 };
-using Packed = std::unique_ptr<uint16_t[], FreeDeleter>;
+template <typename T>
+using Aligned = std::unique_ptr<T[], FreeDeleter>;
+using Packed = Aligned<uint16_t>;
 
-Packed packed_buffer(size_t elements) {
-  const size_t bytes = (elements * sizeof(uint16_t) + 4095) / 4096 * 4096;
-  auto* p = static_cast<uint16_t*>(std::aligned_alloc(4096, bytes));
-  TORCH_CHECK(p != nullptr, "varlen_attention: out of memory for ", bytes, " bytes of packed K/V");
-  return Packed(p);
+template <typename T = uint16_t>
+Aligned<T> aligned_buffer(size_t elements) {
+  const size_t bytes = (elements * sizeof(T) + 4095) / 4096 * 4096;
+  auto* p = static_cast<T*>(std::aligned_alloc(4096, bytes));
+  TORCH_CHECK(p != nullptr, "varlen_attention: out of memory for ", bytes, " bytes");
+  return Aligned<T>(p);
 }
 
-// A packed_buffer kept from call to call by its owner, grown when a call needs more: freshly
+// An aligned_buffer kept from call to call by its owner, grown when a call needs more: freshly
 // allocated, megabytes of it would page-fault in at every layer.
+template <typename T = uint16_t>
 struct KeptBuffer {
-  Packed data;
+  Aligned<T> data;
   size_t size = 0;
 
-  uint16_t* room(size_t elements) {
-    if (size < elements) data = packed_buffer(elements), size = elements;
+  T* room(size_t elements) {
+    if (size < elements) data = aligned_buffer<T>(elements), size = elements;
     return data.get();
   }
 };
@@ -216,17 +233,33 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Pass 1: the keys of one (sequence, K/V head) into [chunk of 16][D/2][16 keys][2 dims], its values
-// into [key pair][D][2]; zero past the last key (P is zero there, but 0 x NaN would not be). Keys: a
-// chunk of 16 consecutive slots (a whole cache block, or a prompt's own rows) is loaded row by row
-// and transposed in registers, 16 dimension pairs at a time; any other chunk is gathered, one 32-bit
-// pair of the 16 keys per dimension pair. Values: per key pair, the two rows interleaved by a
-// permute, 32 dimensions at a time.
+// How far ahead of the keys (and values) it packs the packing asks for their rows: a decode batch's
+// K/V (the cache of a few dozen sequences) comes from memory, not cache, a few hundred bytes of each
+// 4 KiB cache block at a time (64 decode rows of ~300 keys in 8 layers' caches, scattered blocks:
+// 8.4 GB/s without, ~9.2 with; torch's own gather of those blocks reads 9.7).
+constexpr int64_t kPrefetchKeys = 32;
+
+// Rows [from, to) of one K/V head (index order) asked for into the cache.
 template <int D>
-void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_stride,
-             const int64_t* index, int64_t k_len, int64_t head, uint16_t* kp, uint16_t* vp) {
+inline void prefetch_rows(const uint16_t* x, int64_t stride, const int64_t* index, int64_t head,
+                          int64_t from, int64_t to) {
+  for (int64_t j = from; j < to; ++j) {
+    const char* row = reinterpret_cast<const char*>(x + index[j] * stride + head * D);
+    for (int line = 0; line < D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+  }
+}
+
+// Pass 1, keys: those of one (sequence, K/V head) into [chunk of 16][D/2][16 keys][2 dims], zero past
+// the last key (P is zero there, but 0 x NaN would not be). A chunk of 16 consecutive slots (a whole
+// cache block, or a prompt's own rows) is loaded row by row and transposed in registers, 16 dimension
+// pairs at a time; any other chunk is gathered, one 32-bit pair of the 16 keys per dimension pair.
+template <int D>
+void pack_k(const uint16_t* k, int64_t k_stride, const int64_t* index, int64_t k_len, int64_t head,
+            uint16_t* kp) {
   const int64_t padded = padded_keys(k_len);
   for (int64_t j0 = 0; j0 < padded; j0 += 16) {
+    const int64_t ahead = j0 + kPrefetchKeys;
+    prefetch_rows<D>(k, k_stride, index, head, ahead, std::min(ahead + 16, k_len));
     auto* dst = reinterpret_cast<int32_t*>(kp + j0 * D);  // chunk j0 / 16: (D / 2) x 16 pairs
     bool contiguous = D % 32 == 0 && j0 + 16 <= k_len;
     for (int i = 1; contiguous && i < 16; ++i) contiguous = index[j0 + i] == index[j0] + i;
@@ -256,12 +289,22 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_s
       _mm512_storeu_si512(dst + dp * 16, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
     }
   }
+}
+
+// Pass 1, values: those of one (sequence, K/V head) into [key pair][D][2], zero past the last key: per
+// key pair, the two rows interleaved by a permute, 32 dimensions at a time.
+template <int D>
+void pack_v(const uint16_t* v, int64_t v_stride, const int64_t* index, int64_t k_len, int64_t head,
+            uint16_t* vp) {
+  const int64_t padded = padded_keys(k_len);
   // lane i of the interleave: element i / 2 of the first row (even i) or of the second (odd i)
   alignas(64) uint16_t interleave[32];
   for (int i = 0; i < 32; ++i) interleave[i] = static_cast<uint16_t>((i & 1) * 32 + i / 2);
   const __m512i idx_lo = _mm512_loadu_si512(interleave);
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
   for (int64_t j = 0; j < padded; j += 2) {
+    const int64_t ahead = j + kPrefetchKeys;
+    prefetch_rows<D>(v, v_stride, index, head, ahead, std::min(ahead + 2, k_len));
     const uint16_t* first = j < k_len ? v + index[j] * v_stride + head * D : nullptr;
     const uint16_t* second = j + 1 < k_len ? v + index[j + 1] * v_stride + head * D : nullptr;
     uint16_t* dst = vp + j * D;  // key pair j / 2
@@ -276,89 +319,295 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t k_stride, int64_t v_s
 }
 
 struct Scratch {
-  std::vector<float> s, o, m, l;
-  std::vector<uint16_t> p;
+  KeptBuffer<float> s, o, m, l;
+  KeptBuffer<uint16_t> p;
   std::vector<const uint16_t*> qrow;
-  KeptBuffer own;  // the packed K/V of a (sequence, K/V head) packed inside its work item
+  KeptBuffer<> own;  // the packed K/V of a (sequence, K/V head) packed inside its work item
+  // attend_t's: Q^T, P^T ([.][16 rows] bfloat16 pairs), O^T, each row's last key, the key rows, the
+  // output rows
+  KeptBuffer<uint32_t> qt, pt;
+  KeptBuffer<float> ot;
+  KeptBuffer<int32_t> limit;
+  std::vector<const uint16_t*> krow;
+  std::vector<uint16_t*> orow;
 };
+
+// Where a work item's kBlockQ query tokens (from q0) of sequence `seq` lie.
+struct ItemSpan {
+  int group;        // query heads per K/V head
+  int64_t offset;   // query i of the sequence sees keys [0, offset + i]
+  int nq, rows;     // tokens; rows (row = token * group + head)
+  int64_t k_end;    // keys the last token sees
+  int64_t token0;   // the first token's row in q and out
+};
+
+ItemSpan item_span(const Batch& b, int64_t seq, int64_t q0) {
+  const int group = static_cast<int>(b.heads / b.kv_heads);
+  const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
+  const int64_t offset = (b.k_starts[seq + 1] - b.k_starts[seq]) - q_len;
+  const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
+  return {group, offset, nq, nq * group, offset + q0 + nq, b.q_starts[seq] + q0};
+}
 
 // Pass 2: kBlockQ query tokens (from q0) of sequence `seq` and the query heads of K/V head `g`, over
 // that pair's packed keys kp and values vp.
 template <int D>
 void attend(const Batch& b, int64_t seq, int64_t g, int64_t q0, const uint16_t* kp,
             const uint16_t* vp, Scratch& w) {
-  const int64_t group = b.heads / b.kv_heads;
-  const int64_t q_len = b.q_starts[seq + 1] - b.q_starts[seq];
-  const int64_t k_len = b.k_starts[seq + 1] - b.k_starts[seq];
-  const int64_t offset = k_len - q_len;  // query i sees keys [0, offset + i]
-  const int nq = static_cast<int>(std::min<int64_t>(kBlockQ, q_len - q0));
-  const int rows = static_cast<int>(nq * group);  // row = token * group + head
-  const int64_t k_end = offset + q0 + nq;         // keys the last token sees
-  w.s.resize(static_cast<size_t>(rows) * kBlockK);
-  w.p.resize(static_cast<size_t>(rows) * kBlockK);
-  w.o.assign(static_cast<size_t>(rows) * D, 0.0f);
-  w.m.assign(rows, -std::numeric_limits<float>::infinity());
-  w.l.assign(rows, 0.0f);
+  const auto [group, offset, nq, rows, k_end, token0] = item_span(b, seq, q0);
+  // Raw pointers, read once: the scratch is thread_local, and accesses through `w` inside the loops
+  // went through __tls_get_addr each time (~3 % of a short prompt's attention in a profile).
   w.qrow.resize(rows);
-  for (int r = 0; r < rows; ++r) {
-    const int64_t token = b.q_starts[seq] + q0 + r / group;
-    w.qrow[r] = b.q + token * b.q_stride + (g * group + r % group) * D;
-  }
+  float* const S = w.s.room(static_cast<size_t>(rows) * kBlockK);
+  uint16_t* const P = w.p.room(static_cast<size_t>(rows) * kBlockK);
+  float* const O = w.o.room(static_cast<size_t>(rows) * D);
+  float* const M = w.m.room(rows);
+  float* const Lsum = w.l.room(rows);
+  const uint16_t** const qrow = w.qrow.data();
+  std::fill(O, O + static_cast<size_t>(rows) * D, 0.0f);
+  std::fill(M, M + rows, -std::numeric_limits<float>::infinity());
+  std::fill(Lsum, Lsum + rows, 0.0f);
+  for (int t = 0, r = 0; t < nq; ++t)
+    for (int h = 0; h < group; ++h, ++r)
+      qrow[r] = b.q + (token0 + t) * b.q_stride + (g * group + h) * D;
   // Base-2 exponents (exp2_p_flushed, P is rounded to bfloat16): scores times scale log2 e, maxima in
   // base 2.
   const float scale = b.scale * 1.44269504088896341f;
   for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
     const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
     const int pairs32 = (nk + 31) / 32;  // chunk pairs of 32 keys
-    for (int c = 0; c < pairs32; ++c)
-      qk_rows<D>(w.qrow.data(), rows, kp + (j0 / 16 + 2 * c) * 16 * D, w.s.data() + 32 * c, kBlockK);
+    qk_rows<D>(qrow, rows, kp + j0 * D, pairs32, S, kBlockK);
     // Online softmax, row by row: the new maximum, the rescale of what was summed so far, P.
-    for (int r = 0; r < rows; ++r) {
+    for (int t = 0, r = 0; t < nq; ++t) {
       const int valid = static_cast<int>(
-          std::max<int64_t>(0, std::min<int64_t>(nk, offset + q0 + r / group + 1 - j0)));
-      float* s = w.s.data() + static_cast<size_t>(r) * kBlockK;
-      uint16_t* p = w.p.data() + static_cast<size_t>(r) * kBlockK;
-      if (valid == 0) {
-        std::memset(p, 0, sizeof(uint16_t) * 32 * pairs32);
-        continue;
+          std::max<int64_t>(0, std::min<int64_t>(nk, offset + q0 + t + 1 - j0)));
+      for (int h = 0; h < group; ++h, ++r) {
+        const float* s = S + static_cast<size_t>(r) * kBlockK;
+        uint16_t* p = P + static_cast<size_t>(r) * kBlockK;
+        if (valid == 0) {
+          std::memset(p, 0, sizeof(uint16_t) * 32 * pairs32);
+          continue;
+        }
+        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int c = 0; c < 2 * pairs32; ++c)
+          vmax = _mm512_mask_max_ps(vmax, first_lanes(valid - 16 * c), vmax,
+                                    _mm512_loadu_ps(s + 16 * c));
+        const float m_new = std::max(M[r], _mm512_reduce_max_ps(vmax) * scale);
+        if (M[r] != m_new) {  // rescale what was summed so far (nothing on the first block)
+          const float alpha = std::exp2(M[r] - m_new);
+          float* o = O + static_cast<size_t>(r) * D;
+          const __m512 a = _mm512_set1_ps(alpha);
+          for (int c = 0; c < D / 16; ++c)
+            _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(o + 16 * c)));
+          Lsum[r] *= alpha;
+          M[r] = m_new;
+        }
+        const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m_new);
+        __m512 vsum = _mm512_setzero_ps();
+        for (int c = 0; c < 2 * pairs32; c += 2) {
+          const __m512 e0 = _mm512_maskz_mov_ps(
+              first_lanes(valid - 16 * c),
+              exp2_p_flushed(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), vs, vm)));
+          const __m512 e1 = _mm512_maskz_mov_ps(
+              first_lanes(valid - 16 * (c + 1)),
+              exp2_p_flushed(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (c + 1)), vs, vm)));
+          vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+          // cvtne2ps packs (second, first): lanes 0-15 come from e0
+          _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        Lsum[r] += _mm512_reduce_add_ps(vsum);
       }
-      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int c = 0; c < 2 * pairs32; ++c)
-        vmax = _mm512_mask_max_ps(vmax, first_lanes(valid - 16 * c), vmax,
-                                  _mm512_loadu_ps(s + 16 * c));
-      const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(vmax) * scale);
-      const float alpha = std::exp2(w.m[r] - m_new);  // 0 on the first block (m = -inf)
-      w.m[r] = m_new;
-      if (alpha != 1.0f) {
-        float* o = w.o.data() + static_cast<size_t>(r) * D;
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int c = 0; c < D / 16; ++c)
-          _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(o + 16 * c)));
-      }
-      const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m_new);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int c = 0; c < 2 * pairs32; c += 2) {
-        const __m512 e0 = _mm512_maskz_mov_ps(
-            first_lanes(valid - 16 * c),
-            exp2_p_flushed(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), vs, vm)));
-        const __m512 e1 = _mm512_maskz_mov_ps(
-            first_lanes(valid - 16 * (c + 1)),
-            exp2_p_flushed(_mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * (c + 1)), vs, vm)));
-        vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
-        // cvtne2ps packs (second, first): lanes 0-15 come from e0
-        _mm512_storeu_si512(p + 16 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-      }
-      w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(vsum);
     }
-    pv_rows<D>(w.p.data(), kBlockK, rows, vp + j0 * D, 16 * pairs32, w.o.data());
+    pv_rows<D>(P, kBlockK, rows, vp + j0 * D, 16 * pairs32, O);
   }
-  for (int r = 0; r < rows; ++r) {
-    const int64_t token = b.q_starts[seq] + q0 + r / group;
-    uint16_t* dst = b.out + token * b.out_stride + (g * group + r % group) * D;
-    const __m512 inv = _mm512_set1_ps(1.0f / w.l[r]);
+  for (int t = 0, r = 0; t < nq; ++t) {
+    uint16_t* dst = b.out + (token0 + t) * b.out_stride + g * group * D;
+    for (int h = 0; h < group; ++h, ++r) {
+      const __m512 inv = _mm512_set1_ps(1.0f / Lsum[r]);
+      for (int c = 0; c < D / 16; ++c)
+        plaserve::store16(dst + h * D + 16 * c,
+                          _mm512_mul_ps(inv, _mm512_loadu_ps(O + r * D + 16 * c)));
+    }
+  }
+}
+
+// The transposed form of pass 2 without AMX (attend_t), for work items of 16 rows or more: vectors
+// run over 16 rows (token x head) instead of 16 keys, as on the AMX tiles. S^T = K Q^T and O^T += V^T
+// P^T in vdpbf16ps, Q^T and P^T the vector operands ([row group][D/2 or key pairs][16 rows][2]), K
+// and V the broadcast pairs: K straight from its rows (no packing), V packed as pack_v lays it out.
+// Each key's scores for 16 rows are one vector, so the softmax takes its maxima and sums down the keys
+// with no horizontal reductions and no per-row scalar work: for short prompts, whose rows see a few
+// dozen keys each, that per-row work cost as much as the exponentials.
+
+// S^T[j][g] (16 rows) for J keys and G row groups: Q^T's groups qt (stride ldQ) against the keys'
+// rows krow; st: stride ldS a key.
+template <int J, int G, int D>
+inline void qk_t(const uint32_t* qt, int ldQ, const uint16_t* const* krow, float* st, int ldS) {
+  __m512 acc[J][G];
+  for (int j = 0; j < J; ++j)
+    for (int g = 0; g < G; ++g) acc[j][g] = _mm512_setzero_ps();
+  for (int dp = 0; dp < D / 2; ++dp) {
+    __m512bh qv[G];
+    for (int g = 0; g < G; ++g) qv[g] = (__m512bh)_mm512_load_si512(qt + g * ldQ + dp * 16);
+    for (int j = 0; j < J; ++j) {
+      const __m512bh kb = pair(krow[j] + 2 * dp);
+      for (int g = 0; g < G; ++g) acc[j][g] = _mm512_dpbf16_ps(acc[j][g], qv[g], kb);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int g = 0; g < G; ++g) _mm512_store_ps(st + j * ldS + g * 16, acc[j][g]);
+}
+
+// O^T[d][g] += V^T P^T for DN dimensions (from d0) and G row groups over n_pairs key pairs: P^T's
+// groups pt (stride ldP a key pair), V's pairs vp ([key pair][D][2]); ot: [group][D][16].
+template <int DN, int G, int D>
+inline void pv_t(const uint32_t* pt, int ldP, const uint16_t* vp, int n_pairs, float* ot, int d0) {
+  __m512 acc[DN][G];
+  for (int n = 0; n < DN; ++n)
+    for (int g = 0; g < G; ++g) acc[n][g] = _mm512_load_ps(ot + (g * D + d0 + n) * 16);
+  for (int jp = 0; jp < n_pairs; ++jp) {
+    __m512bh pv[G];
+    for (int g = 0; g < G; ++g) pv[g] = (__m512bh)_mm512_load_si512(pt + jp * ldP + g * 16);
+    for (int n = 0; n < DN; ++n) {
+      const __m512bh vb = pair(vp + (jp * D + d0 + n) * 2);
+      for (int g = 0; g < G; ++g) acc[n][g] = _mm512_dpbf16_ps(acc[n][g], pv[g], vb);
+    }
+  }
+  for (int n = 0; n < DN; ++n)
+    for (int g = 0; g < G; ++g) _mm512_store_ps(ot + (g * D + d0 + n) * 16, acc[n][g]);
+}
+
+// Pass 2 in the transposed form: kBlockQ query tokens (from q0) of sequence `seq` and the query heads
+// of K/V head `g`, over the keys' rows where they are and the packed values vp.
+template <int D>
+void attend_t(const Batch& b, int64_t seq, int64_t g, int64_t q0, const uint16_t* vp, Scratch& w) {
+  constexpr int kJ = 6, kG = 4;  // qk_t's keys x row groups: 24 accumulators, 10 loads a pair
+  constexpr int kDN = 8, kPG = 3;  // pv_t's dimensions x row groups: 24 accumulators, 11 loads
+  const auto [group, offset, nq, rows, k_end, token0] = item_span(b, seq, q0);
+  const int groups = (rows + 15) / 16;
+  const int64_t* index = b.index + b.k_starts[seq];
+  constexpr int ldQ = D / 2 * 16;  // uint32 of a row group's Q^T
+  const int ldS = groups * 16;     // floats of a key's S^T row, uint32 of a key pair's P^T
+  uint32_t* const QT = w.qt.room(static_cast<size_t>(groups) * ldQ);
+  float* const S = w.s.room(static_cast<size_t>(kBlockK + kJ) * ldS);
+  uint32_t* const PT = w.pt.room(static_cast<size_t>(kBlockK / 2) * ldS);
+  float* const OT = w.ot.room(static_cast<size_t>(groups) * D * 16);
+  w.krow.resize(kBlockK + kJ);
+  const uint16_t** const krow = w.krow.data();
+  int32_t* const limit = w.limit.room(static_cast<size_t>(groups) * 16);
+  float* const m_all = w.m.room(static_cast<size_t>(groups) * 16);
+  float* const l_all = w.l.room(static_cast<size_t>(groups) * 16);
+  w.orow.resize(rows);
+  uint16_t** const orow = w.orow.data();
+  // Each row's last key (its lane of `limit`), the padding rows' the last token's (they see every key:
+  // their scores are 0, never NaN).
+  w.qrow.resize(static_cast<size_t>(groups) * 16);
+  const uint16_t** const qrow = w.qrow.data();
+  for (int t = 0, r = 0; t < nq; ++t)
+    for (int h = 0; h < group; ++h, ++r) {
+      qrow[r] = b.q + (token0 + t) * b.q_stride + (g * group + h) * D;
+      orow[r] = b.out + (token0 + t) * b.out_stride + (g * group + h) * D;
+      limit[r] = static_cast<int32_t>(offset + q0 + t);
+    }
+  for (int r = rows; r < groups * 16; ++r) limit[r] = static_cast<int32_t>(k_end - 1);
+  // Q^T, 16 rows x 16 dimension pairs at a time transposed in registers (the padding rows zero): the
+  // 16 rows' loads go out together (one row at a time, each query row's first load missed the cache
+  // in turn: ~18 % of a 128-token prompt's attention).
+  for (int rg = 0; rg < groups; ++rg)
+    for (int c = 0; c < (D + 31) / 32; ++c) {
+      const __mmask32 n = D - 32 * c >= 32 ? 0xFFFFFFFFu : (1u << (D - 32 * c)) - 1u;
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i)
+        x[i] = rg * 16 + i < rows ? _mm512_maskz_loadu_epi16(n, qrow[rg * 16 + i] + 32 * c)
+                                  : _mm512_setzero_si512();
+      transpose16(x);
+      for (int i = 0; i < 16 && 16 * c + i < D / 2; ++i)
+        _mm512_store_si512(QT + rg * ldQ + (16 * c + i) * 16, x[i]);
+    }
+  std::fill(OT, OT + static_cast<size_t>(groups) * D * 16, 0.0f);
+  // Base-2 exponents (exp2_p_flushed, P is rounded to bfloat16): scores times scale log2 e, maxima in
+  // base 2.
+  const __m512 vs = _mm512_set1_ps(b.scale * 1.44269504088896341f);
+  // lane 2 i of the interleave: row i's P for the first key of a pair; lane 2 i + 1: the second's
+  alignas(64) uint16_t interleave[32];
+  for (int i = 0; i < 32; ++i) interleave[i] = static_cast<uint16_t>((i & 1) * 16 + i / 2);
+  const __m512i pair_rows = _mm512_load_si512(interleave);
+  for (int64_t j0 = 0; j0 < k_end; j0 += kBlockK) {
+    const int nk = static_cast<int>(std::min<int64_t>(kBlockK, k_end - j0));
+    const int n_pairs = (nk + 1) / 2;
+    for (int j = 0; j < nk; ++j) krow[j] = b.k + index[j0 + j] * b.k_stride + g * D;
+    for (int j = nk; j < nk + kJ; ++j) krow[j] = krow[0];  // a last tile's extra keys: never read
+    for (int j = 0; j < nk; j += kJ)
+      for (int rg = 0; rg < groups; rg += kG) {
+        const uint32_t* q = QT + rg * ldQ;
+        float* st = S + j * ldS + rg * 16;
+        switch (std::min(kG, groups - rg)) {
+          case 4: qk_t<kJ, 4, D>(q, ldQ, krow + j, st, ldS); break;
+          case 3: qk_t<kJ, 3, D>(q, ldQ, krow + j, st, ldS); break;
+          case 2: qk_t<kJ, 2, D>(q, ldQ, krow + j, st, ldS); break;
+          default: qk_t<kJ, 1, D>(q, ldQ, krow + j, st, ldS); break;
+        }
+      }
+    // The softmax of each row group, down the keys: a key's lanes are the rows that see it.
+    for (int rg = 0; rg < groups; ++rg) {
+      const __m512i lim = _mm512_load_si512(limit + rg * 16);
+      auto seen = [&](int j) {  // the rows (lanes) that see key j0 + j
+        return _mm512_cmpge_epi32_mask(lim, _mm512_set1_epi32(static_cast<int>(j0 + j)));
+      };
+      const float* s = S + rg * 16;
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int j = 0; j < nk; ++j)
+        vmax = _mm512_mask_max_ps(vmax, seen(j), vmax, _mm512_load_ps(s + j * ldS));
+      __m512 m = _mm512_mul_ps(vmax, vs), l = _mm512_setzero_ps();
+      float* o = OT + rg * D * 16;
+      if (j0 > 0) {  // rescale what was summed so far to the new maxima (every row saw key 0 before)
+        const __m512 m_old = _mm512_load_ps(m_all + rg * 16);
+        m = _mm512_max_ps(m, m_old);
+        const __m512 alpha = exp2_p_flushed(_mm512_sub_ps(m_old, m));
+        if (_mm512_cmpneq_ps_mask(alpha, _mm512_set1_ps(1.0f)) != 0)
+          for (int d = 0; d < D; ++d)
+            _mm512_store_ps(o + d * 16, _mm512_mul_ps(alpha, _mm512_load_ps(o + d * 16)));
+        l = _mm512_mul_ps(alpha, _mm512_load_ps(l_all + rg * 16));
+      }
+      _mm512_store_ps(m_all + rg * 16, m);
+      for (int jp = 0; jp < n_pairs; ++jp) {
+        const int j = 2 * jp;  // the pair's second key past the block (nk odd): P zero
+        const __m512 e0 = _mm512_maskz_mov_ps(
+            seen(j), exp2_p_flushed(_mm512_fmsub_ps(_mm512_load_ps(s + j * ldS), vs, m)));
+        const __m512 e1 = _mm512_maskz_mov_ps(
+            j + 1 < nk ? seen(j + 1) : __mmask16{0},
+            exp2_p_flushed(_mm512_fmsub_ps(_mm512_load_ps(s + (j + 1) * ldS), vs, m)));
+        l = _mm512_add_ps(l, _mm512_add_ps(e0, e1));
+        // cvtne2ps packs (second, first): lanes 0-15 e0's rows, 16-31 e1's; then row by row in pairs
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+        _mm512_store_si512(PT + jp * ldS + rg * 16, _mm512_permutexvar_epi16(pair_rows, both));
+      }
+      _mm512_store_ps(l_all + rg * 16, l);
+    }
+    const uint16_t* v = vp + j0 * D;
+    for (int d0 = 0; d0 < D; d0 += kDN)
+      for (int rg = 0; rg < groups; rg += kPG) {
+        const uint32_t* pt = PT + rg * 16;
+        float* ot = OT + rg * D * 16;
+        switch (std::min(kPG, groups - rg)) {
+          case 3: pv_t<kDN, 3, D>(pt, ldS, v, n_pairs, ot, d0); break;
+          case 2: pv_t<kDN, 2, D>(pt, ldS, v, n_pairs, ot, d0); break;
+          default: pv_t<kDN, 1, D>(pt, ldS, v, n_pairs, ot, d0); break;
+        }
+      }
+  }
+  // O^T / l, transposed back to rows 16 x 16 at a time, rounded to bfloat16.
+  for (int rg = 0; rg < groups; ++rg) {
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_load_ps(l_all + rg * 16));
+    const float* o = OT + rg * D * 16;
+    const int n = std::min(16, rows - rg * 16);
     for (int c = 0; c < D / 16; ++c) {
-      const __m512 o = _mm512_mul_ps(inv, _mm512_loadu_ps(w.o.data() + r * D + 16 * c));
-      plaserve::store16(dst + 16 * c, o);
+      __m512i x[16];
+      for (int i = 0; i < 16; ++i)
+        x[i] = _mm512_castps_si512(_mm512_mul_ps(inv, _mm512_load_ps(o + (16 * c + i) * 16)));
+      transpose16(x);
+      for (int i = 0; i < n; ++i)
+        plaserve::store16(orow[rg * 16 + i] + 16 * c, _mm512_castsi512_ps(x[i]));
     }
   }
 }
@@ -787,6 +1036,11 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
   // its core's cache: packed ahead, a decode batch's packed keys went out to memory and back (60 rows of
   // 350 keys, 8/2 heads: 1.0 ms a call against ~0.3 packed in the item).
   auto packs_in_item = [&](int64_t s) { return !amx && b.q_starts[s + 1] - b.q_starts[s] <= kBlockQ; };
+  // Without AMX, sequences of 16 query rows or more (every one packed ahead) take the transposed form,
+  // which reads the keys where they are: only their values are packed.
+  auto transposed = [&](int64_t s) {
+    return !amx && (b.q_starts[s + 1] - b.q_starts[s]) * (b.heads / b.kv_heads) >= 16;
+  };
   b.packed_at.assign(seqs * b.kv_heads, -1);
   std::vector<int64_t> to_pack;  // (sequence, K/V head) pairs packed ahead, in pass 1
   int64_t total = 0;
@@ -796,43 +1050,49 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
       to_pack.push_back(s * b.kv_heads + g);
       total += packed_stride(b.k_starts[s + 1] - b.k_starts[s]) * D;
     }
-  // Uninitialised (not a vector's zero fill: pack_kv writes every element the products read). Kept
+  // Uninitialised (not a vector's zero fill: packing writes every element the products read). Kept
   // by the calling thread from call to call, up to kKeptPacked elements; a larger batch (chunks after
   // very long prefixes) gets a buffer of its own.
   constexpr size_t kKeptPacked = size_t{64} << 20;  // 128 MiB of bfloat16
-  thread_local KeptBuffer kept;
+  thread_local KeptBuffer<> kept;
   Packed once;
-  const auto need = static_cast<size_t>(2 * total);
+  const auto need = static_cast<size_t>((amx ? 2 : 1) * total);
   uint16_t* packed;
   if (need <= kKeptPacked) {
     packed = kept.room(need);
   } else {
-    once = packed_buffer(need);
+    once = aligned_buffer(need);
     packed = once.get();
   }
-  b.kp = packed;
-  b.vp = packed + total;
+  b.kp = amx ? packed : nullptr;
+  b.vp = amx ? packed + total : packed;
   at::parallel_for(0, static_cast<int64_t>(to_pack.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       const int64_t i = to_pack[p], s = i / b.kv_heads, g = i % b.kv_heads;
       const int64_t* index = b.index + b.k_starts[s];
       const int64_t k_len = b.k_starts[s + 1] - b.k_starts[s];
-      auto* kp = const_cast<uint16_t*>(b.kp) + b.packed_at[i];
       auto* vp = const_cast<uint16_t*>(b.vp) + b.packed_at[i];
 #ifdef PLASERVE_AMX
       if constexpr (D % 32 == 0)
         if (amx) {
-          pack_kv_amx<D>(b, index, k_len, g, kp, vp);
+          pack_kv_amx<D>(b, index, k_len, g, const_cast<uint16_t*>(b.kp) + b.packed_at[i], vp);
           continue;
         }
 #endif
-      pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, index, k_len, g, kp, vp);
+      pack_v<D>(b.v, b.v_stride, index, k_len, g, vp);  // transposed: the keys stay where they are
     }
   });
-  // Work items (sequence, K/V head, first query token), largest first (cost ~ keys seen).
+  // Work items (sequence, K/V head, first query token), largest first (cost ~ keys seen). Without
+  // AMX, where there are decode rows (fewer than 16 query rows a token) enough to keep every thread
+  // busy, each makes one item of all its K/V heads (head -1): a cache slot holds the K (or V) of every
+  // head side by side, and one thread reading them head after head ran ~12 % faster than two threads
+  // reading one head each (64 decode rows of ~300 keys in 8 layers' caches, from memory).
   struct Item {
     int64_t seq, head, q0, cost;
   };
+  int64_t few_rows = 0;
+  for (int64_t s = 0; s < seqs; ++s) few_rows += packs_in_item(s) && !transposed(s);
+  const bool merge_heads = few_rows >= 2 * at::get_num_threads();
   std::vector<Item> items;
   int64_t work = 0;  // query rows x keys seen, over all items
   for (int64_t s = 0; s < seqs; ++s) {
@@ -841,7 +1101,10 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
     for (int64_t q0 = 0; q0 < q_len; q0 += kBlockQ) {
       const int64_t cost =
           std::min<int64_t>(kBlockQ, q_len - q0) * (offset + std::min<int64_t>(q0 + kBlockQ, q_len));
-      for (int64_t g = 0; g < b.kv_heads; ++g) items.push_back({s, g, q0, cost});
+      if (merge_heads && packs_in_item(s) && !transposed(s))  // one item for all K/V heads
+        items.push_back({s, -1, q0, cost * b.kv_heads});
+      else
+        for (int64_t g = 0; g < b.kv_heads; ++g) items.push_back({s, g, q0, cost});
       work += cost * b.heads;  // every query head of every K/V head
     }
   }
@@ -875,17 +1138,28 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
           }
 #endif
         const Item& it = items[i];
-        const int64_t at = b.packed_at[it.seq * b.kv_heads + it.head];
+        const int64_t at = it.head < 0 ? -1 : b.packed_at[it.seq * b.kv_heads + it.head];
         if (at >= 0) {
-          attend<D>(b, it.seq, it.head, it.q0, b.kp + at, b.vp + at, w);
+          attend_t<D>(b, it.seq, it.head, it.q0, b.vp + at, w);
           continue;
         }
         const int64_t k_len = b.k_starts[it.seq + 1] - b.k_starts[it.seq];
+        const int64_t* index = b.index + b.k_starts[it.seq];
         const int64_t size = packed_stride(k_len) * D;
         uint16_t* own = w.own.room(static_cast<size_t>(2 * size));
-        pack_kv<D>(b.k, b.v, b.k_stride, b.v_stride, b.index + b.k_starts[it.seq], k_len, it.head,
-                   own, own + size);
-        attend<D>(b, it.seq, it.head, it.q0, own, own + size, w);
+        if (transposed(it.seq)) {  // only the values packed
+          pack_v<D>(b.v, b.v_stride, index, k_len, it.head, own + size);
+          attend_t<D>(b, it.seq, it.head, it.q0, own + size, w);
+          continue;
+        }
+        // one K/V head, or all of them (head -1, see `Item`)
+        const int64_t first = it.head < 0 ? 0 : it.head;
+        const int64_t last = it.head < 0 ? b.kv_heads : it.head + 1;
+        for (int64_t g = first; g < last; ++g) {
+          pack_k<D>(b.k, b.k_stride, index, k_len, g, own);
+          pack_v<D>(b.v, b.v_stride, index, k_len, g, own + size);
+          attend<D>(b, it.seq, g, it.q0, own, own + size, w);
+        }
       }
 #ifdef PLASERVE_AMX
     if (amx) _tile_release();
