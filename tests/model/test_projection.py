@@ -273,3 +273,41 @@ def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
     finally:
         PACKED.linear = real
     assert calls == [rows for rows in sizes if rows <= proj.max_packed_rows]
+
+
+@needs_packed
+# 6 or 8 blocks of gate and up: with a tile pair's tail, without
+@pytest.mark.parametrize("inter", [48, 64])
+def test_swiglu_from_the_products_equals_the_projection_then_silu_mul(inter):
+    """An MLP's gate and up built with ``swiglu`` give ``silu(gate) * up`` straight from the packed
+    products, bit for bit what the separate packed projection and the elementwise kernel give (gate and
+    up rounded to bfloat16 first), for steps up to ``max_packed_rows``; past that, ``swiglu`` declines
+    and the projection multiplies by the plain weight in gate-then-up order."""
+    from plaserve.model.fused import FusedKernels
+
+    gen = torch.Generator().manual_seed(7)
+    gate, up = (nn.Linear(64, inter, bias=False).bfloat16() for _ in range(2))
+    with torch.no_grad():
+        for lin in (gate, up):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+    w = torch.cat([gate.weight, up.weight]).detach().clone()
+    fused = Projection([gate, up], swiglu=True)
+    separate = Projection([_linear_of(w)])
+    silu_mul = FusedKernels().silu_mul
+    for rows in (1, 7, 17, 300):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        got = fused.swiglu(x)
+        assert got is not None and got.shape == (rows, inter)
+        assert torch.equal(got, silu_mul(separate(x)))
+    x = torch.randn(fused.max_packed_rows + 1, 64, generator=gen).bfloat16()
+    assert fused.swiglu(x) is None
+    torch.testing.assert_close(
+        fused(x).float(), _reference(x, w, None).float(), rtol=2**-7, atol=0.05
+    )
+
+
+def _linear_of(weight: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False).to(weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+    return lin

@@ -216,6 +216,9 @@ class Projection:
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added. ``split_rows``: whether to
     time the row split for this weight at all (an LM head multiplies only the rows that sample: few).
+    ``swiglu``: the linears are an MLP's gate and up; where plaserve's packed linear takes the step,
+    :meth:`swiglu` gives ``silu(gate) * up`` from the products themselves (the packed copy is laid out
+    for that, so the plain product then always takes the weight as ``nn.Linear`` keeps it).
     """
 
     # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
@@ -230,7 +233,11 @@ class Projection:
     PACKED_MAX_ROWS_VNNI = 4096
 
     def __init__(
-        self, linears: list[nn.Linear], shared: bool = False, split_rows: bool = True
+        self,
+        linears: list[nn.Linear],
+        shared: bool = False,
+        split_rows: bool = True,
+        swiglu: bool = False,
     ) -> None:
         assert not shared or len(linears) == 1
         with torch.no_grad():
@@ -249,12 +256,19 @@ class Projection:
             own = kernels.packed_linear() if on_cpu and weight.dtype == torch.bfloat16 else None
             self.packed: torch.Tensor | None = None
             self._packed_call: Callable[[torch.Tensor], torch.Tensor] | None = None
+            self._swiglu_call: Callable[[torch.Tensor], torch.Tensor] | None = None
             self.max_packed_rows = (
                 self.PACKED_MAX_ROWS if weight.dtype == torch.float32 else self.PACKED_MAX_ROWS_HALF
             )
             if own is not None and own.fits(weight):
-                packed, n = own.pack(weight.contiguous()), weight.shape[0]
-                self.packed, self._packed_call = packed, lambda x: own.linear(x, packed, bias, n)
+                n = weight.shape[0]
+                if swiglu and bias is None and n % 32 == 0:
+                    packed = own.pack(own.interleaved(weight.contiguous()))
+                    self._swiglu_call = lambda x: own.swiglu(x, packed, n)
+                else:
+                    packed = own.pack(weight.contiguous())
+                    self._packed_call = lambda x: own.linear(x, packed, bias, n)
+                self.packed = packed
                 if own.isa != "AMX":
                     self.max_packed_rows = self.PACKED_MAX_ROWS_VNNI
             elif on_cpu and prepacked_pays(weight.dtype):
@@ -283,13 +297,18 @@ class Projection:
                 start += rows
         self.weight, self.bias = weight, bias
 
+    def _packed_takes(self, x: torch.Tensor) -> bool:
+        return x.shape[0] <= self.max_packed_rows and x.dim() == 2 and x.stride(-1) == 1
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this gate-and-up projection (built with ``swiglu``) in one pass,
+        where its packed copy takes ``x``; else None (multiply, then the elementwise SwiGLU)."""
+        if self._swiglu_call is not None and self._packed_takes(x):
+            return self._swiglu_call(x)
+        return None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self._packed_call is not None
-            and x.shape[0] <= self.max_packed_rows
-            and x.dim() == 2
-            and x.stride(-1) == 1
-        ):
+        if self._packed_call is not None and self._packed_takes(x):
             return self._packed_call(x)
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
@@ -316,7 +335,7 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """Run gate and up as one matmul, and every projection in its fastest layout (:class:`Projection`)."""
         self.gate_up, self.down = (
-            Projection([self.gate_proj, self.up_proj]),
+            Projection([self.gate_proj, self.up_proj], swiglu=True),
             Projection([self.down_proj]),
         )
 
@@ -325,7 +344,10 @@ class MLP(nn.Module):
             return self.down_proj(
                 kernels.silu_mul(torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1))
             )
-        return self.down(kernels.silu_mul(self.gate_up(x)))
+        act = self.gate_up.swiglu(x)
+        if act is None:
+            act = kernels.silu_mul(self.gate_up(x))
+        return self.down(act)
 
 
 class Attention(nn.Module):

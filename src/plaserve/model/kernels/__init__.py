@@ -270,14 +270,24 @@ def token_mask() -> Callable[..., None] | None:
 class PackedLinear:
     """``pack(w)`` lays a bfloat16 weight ``[N, K]`` (N a multiple of 16, K of 32) out for
     ``linear(x, packed, bias, n)``: ``x @ w.T + bias``, rounded once (packed_linear.cpp), on the
-    instructions ``isa`` names ("AMX" or "AVX512-BF16")."""
+    instructions ``isa`` names ("AMX" or "AVX512-BF16"). ``swiglu(x, packed, n)``: SwiGLU's
+    ``silu(gate) * up`` ``[M, n / 2]`` straight from the products, ``packed`` the
+    :meth:`interleaved` gate and up."""
 
     def __init__(self) -> None:
         ops = torch.ops.plaserve_linear
         self.isa: str = ops.isa()
         self.pack: Callable[[torch.Tensor], torch.Tensor] = ops.pack
-        # the overload itself: a projection calls it for every step (no overload resolution)
+        # the overloads themselves: a projection calls them for every step (no overload resolution)
         self.linear: Callable[..., torch.Tensor] = ops.linear.default
+        self.swiglu: Callable[..., torch.Tensor] = ops.swiglu.default
+
+    @staticmethod
+    def interleaved(gate_up: torch.Tensor) -> torch.Tensor:
+        """``[gate; up]`` (``[2 I, K]``, I a multiple of 16) with their 16-row blocks interleaved
+        (gate's first, up's first, gate's second...): the layout ``swiglu`` multiplies by."""
+        n, k = gate_up.shape
+        return gate_up.view(2, n // 32, 16, k).transpose(0, 1).reshape(n, k)
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -294,15 +304,23 @@ def packed_linear() -> PackedLinear | None:
         return None
     ops = PackedLinear()
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(80, 96, generator=gen).bfloat16()
-    bias = torch.randn(80, generator=gen).bfloat16()
+    w = torch.randn(112, 96, generator=gen).bfloat16()  # 7 output blocks: a group's tail
+    bias = torch.randn(112, generator=gen).bfloat16()
     with torch.inference_mode():
         packed = ops.pack(w)
         for rows in (1, 17, 40):
             x = torch.randn(rows, 96, generator=gen).bfloat16()
             want = (x.float() @ w.float().T + bias.float()).bfloat16().float()
-            got = ops.linear(x, packed, bias, 80).float()
-            if not torch.allclose(got, want, rtol=2**-7, atol=1e-3):
+            got = ops.linear(x, packed, bias, 112).float()
+            # SwiGLU: w's first 96 rows as gate and up of 48 each, rounded as a projection and then
+            # silu_mul round them
+            gate, up = (x.float() @ w[:96].float().T).bfloat16().float().chunk(2, dim=-1)
+            want_act = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+            act = ops.swiglu(x, ops.pack(ops.interleaved(w[:96])), 96).float()
+            if not (
+                torch.allclose(got, want, rtol=2**-7, atol=1e-3)
+                and torch.allclose(act, want_act, rtol=2**-7, atol=1e-3)
+            ):
                 log.warning("CPU packed linear (%s): disagrees with torch here; not used", ops.isa)
                 return None
     log.info("CPU packed linear: used (%s)", ops.isa)

@@ -26,4 +26,10 @@ inline void store16(uint16_t* p, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
 }
 
+// 16 float32 values rounded to bfloat16 and widened back: what storing and reloading them would give.
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 }  // namespace plaserve

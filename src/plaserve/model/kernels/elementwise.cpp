@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "avx512_exp.h"
+#include "bf16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -35,14 +36,9 @@ inline void store16_masked(bf16* p, __m512 x, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
 }
 
-inline __m512 round_bf16(__m512 x) {  // x rounded to bfloat16 and widened back
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
+using plaserve::round_bf16;
 
 inline __mmask16 lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1u); }
-
-using plaserve::exp2_p;
 
 void check_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": bfloat16 only");
@@ -136,20 +132,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   auto* od = reinterpret_cast<bf16*>(out.data_ptr());
   const int64_t gs = gate_up.stride(0);
   at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
-    // silu(x) = x / (1 + 2^(-x log2 e)). The result is rounded to bfloat16 (8 bits), so 2^t to
-    // 8e-5 (exp2_p) and a 14-bit reciprocal (rcp14) do: a 512-bit division alone costs more than
-    // the rest of this loop. Far below 0, 2^t is +inf and its reciprocal 0: x * 0, as torch's.
-    const __m512 one = _mm512_set1_ps(1.0f), minus_log2e = _mm512_set1_ps(-1.44269504088896341f);
     for (int64_t t = begin; t < end; ++t) {
       const bf16* g = gd + t * gs;
       const bf16* u = g + inter;
       bf16* o = od + t * inter;
       for (int64_t c = 0; c < inter; c += 16) {
         const __mmask16 m = lanes(inter - c);
-        const __m512 x = load16_masked(g + c, m);
-        const __m512 e = exp2_p(_mm512_mul_ps(x, minus_log2e));
-        const __m512 silu = _mm512_mul_ps(x, _mm512_rcp14_ps(_mm512_add_ps(one, e)));
-        store16_masked(o + c, _mm512_mul_ps(silu, load16_masked(u + c, m)), m);
+        store16_masked(o + c, plaserve::silu_times(load16_masked(g + c, m), load16_masked(u + c, m)), m);
       }
     }
   });

@@ -15,12 +15,19 @@
 // tile, into C tiles 0-3; AVX512-BF16: 8 rows into 8 x 2 or 4 x 4 vector accumulators): the weights
 // cross memory once a step whatever the row count up to that slice, and from cache after.
 // Products accumulate in float32 and are rounded to bfloat16 once, with the bias added before.
+//
+// SwiGLU (`swiglu`): the fused gate and up projections of an MLP, packed with their 16-output blocks
+// interleaved (gate block j, then up block j: `interleaved` in plaserve/model/kernels), give
+// silu(gate) * up straight from the accumulators of each pair of blocks, rounded as the separate
+// projection and elementwise kernel round them (gate and up to bfloat16 first): the [M, 2 I] product
+// is never written out and read back.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "avx512_exp.h"
 #include "bf16.h"
 
 #include <algorithm>
@@ -37,7 +44,8 @@ namespace {
 
 constexpr int kGroup = 4;  // 16-output blocks a thread takes at a time
 
-// The operands of one call: x's rows at a stride, the packed weight, the bias (or null), the output.
+// The operands of one call: x's rows at a stride, the packed weight, the bias (or null), the output;
+// `swiglu`: the weight is SwiGLU's interleaved gate and up, and the output silu(gate) * up, n / 2 wide.
 struct Operands {
   const uint16_t* x;
   int64_t x_stride;
@@ -45,6 +53,7 @@ struct Operands {
   const uint16_t* bias;
   uint16_t* out;
   int64_t n, k;
+  bool swiglu;
   int64_t block_step() const { return k * 16; }  // from one output block's weights to the next's
 };
 
@@ -52,6 +61,13 @@ struct Operands {
 inline void store_row(const Operands& o, int64_t r, int64_t nb, __m512 sums) {
   if (o.bias != nullptr) sums = _mm512_add_ps(sums, plaserve::widen16(o.bias + nb * 16));
   plaserve::store16(o.out + r * o.n + nb * 16, sums);
+}
+
+// SwiGLU: the sums of gate block nb (even) and of up block nb + 1, each rounded to bfloat16, into
+// silu(gate) * up at columns [nb / 2 * 16, + 16) of row r.
+inline void store_swiglu(const Operands& o, int64_t r, int64_t nb, __m512 gate, __m512 up) {
+  const __m512 act = plaserve::silu_times(plaserve::round_bf16(gate), plaserve::round_bf16(up));
+  plaserve::store16(o.out + r * (o.n / 2) + nb / 2 * 16, act);
 }
 
 #ifdef PLASERVE_AMX
@@ -87,7 +103,7 @@ void amx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
   const int64_t x_stride = o.x_stride, k_blocks = o.k / 32, n_blocks = o.n / 16;
   const int64_t block_step = o.block_step();
   int configured = -1;
-  alignas(64) float c[16 * 16];
+  alignas(64) float c[16 * 16], c_up[16 * 16];
   for (int64_t g = first; g < last; ++g) {
     const int64_t nb0 = g * kGroup;
     const int blocks = static_cast<int>(std::min<int64_t>(kGroup, n_blocks - nb0));
@@ -119,6 +135,13 @@ void amx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
       }
       for (int j = 0; j < blocks; ++j) {
         store_tile(j, c);
+        if (o.swiglu) {  // blocks j (gate) and j + 1 (up)
+          store_tile(++j, c_up);
+          for (int r = 0; r < rows; ++r)
+            store_swiglu(o, r0 + r, nb0 + j - 1, _mm512_load_ps(c + r * 16),
+                         _mm512_load_ps(c_up + r * 16));
+          continue;
+        }
         for (int r = 0; r < rows; ++r) store_row(o, r0 + r, nb0 + j, _mm512_load_ps(c + r * 16));
       }
     }
@@ -155,17 +178,27 @@ void dot_tile(const Operands& o, int64_t r0, int64_t nb0) {
       for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], xv, wv[g]);
     }
   }
+  if constexpr (G % 2 == 0) {
+    if (o.swiglu) {
+      for (int r = 0; r < R; ++r)
+        for (int g = 0; g < G; g += 2) store_swiglu(o, r0 + r, nb0 + g, acc[r][g], acc[r][g + 1]);
+      return;
+    }
+  }
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) store_row(o, r0 + r, nb0 + g, acc[r][g]);
 }
 
 // R rows from r0 times `blocks` output blocks from nb0, G blocks a tile: at most 16 accumulators, so
-// that the weight vectors and the broadcast row of x stay in registers beside them.
+// that the weight vectors and the broadcast row of x stay in registers beside them. Pairs of blocks
+// stay in one tile (SwiGLU's gate and up: `blocks` and nb0 are even there).
 template <int R>
 void dot_rows(const Operands& o, int64_t r0, int64_t nb0, int blocks) {
   constexpr int G = R <= 4 ? 4 : 2;
   int b = 0;
   for (; b + G <= blocks; b += G) dot_tile<R, G>(o, r0, nb0 + b);
+  if constexpr (G == 4)
+    if (b + 2 <= blocks) dot_tile<R, 2>(o, r0, nb0 + b), b += 2;
   for (; b < blocks; ++b) dot_tile<R, 1>(o, r0, nb0 + b);
 }
 
@@ -219,9 +252,10 @@ at::Tensor pack(const at::Tensor& w) {
   return out;
 }
 
-// x [M, K] (rows at any stride) times the packed weight of `n` outputs, plus bias [n] where given.
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
-                  int64_t n) {
+// x [M, K] (rows at any stride) times the packed weight of `n` outputs, plus bias [n] where given;
+// `swiglu`: silu(gate) * up of an interleaved gate and up (see the top), [M, n / 2].
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+               int64_t n, bool swiglu) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "packed_linear: x [M, K] bfloat16, each row contiguous");
   const int64_t m = x.size(0), k = x.size(1);
@@ -231,7 +265,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n &&
                                     bias->is_contiguous()),
               "packed_linear: a contiguous bfloat16 bias [N]");
-  at::Tensor out = at::empty({m, n}, x.options());
+  TORCH_CHECK(!swiglu || n % 32 == 0, "packed_linear: SwiGLU's gate and up, 2 x a multiple of 16");
+  at::Tensor out = at::empty({m, swiglu ? n / 2 : n}, x.options());
   if (m == 0) return out;
   const Operands o{reinterpret_cast<const uint16_t*>(x.data_ptr()),
                    x.stride(0),
@@ -239,7 +274,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
                    bias.has_value() ? reinterpret_cast<const uint16_t*>(bias->data_ptr()) : nullptr,
                    reinterpret_cast<uint16_t*>(out.data_ptr()),
                    n,
-                   k};
+                   k,
+                   swiglu};
   const int64_t groups = (n / 16 + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
 #ifdef PLASERVE_AMX
@@ -250,15 +286,27 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   return out;
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
+  return run(x, packed, bias, n, false);
+}
+
+// silu(gate) * up, [M, n / 2], from x and the packed interleaved gate and up of n outputs in all.
+at::Tensor swiglu(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return run(x, packed, std::nullopt, n, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(plaserve_linear, m) {
   m.def("isa() -> str", &isa);
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("swiglu(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(plaserve_linear, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
+  m.impl("swiglu", &swiglu);
 }
