@@ -25,7 +25,8 @@ matmuls (``matmul.cpp``): the four projections of 8 layers of the engine_vs_vllm
 not all in cache, as in a forward pass), at 256-2,048 rows, by one oneDNN call and with the rows split
 between the threads; and the span ``row_split_span`` picks for each weight. The packed linear
 (``packed_linear.cpp``: AMX tiles, or AVX512-BF16 without them) against oneDNN's packed linear at 1-512
-rows, on the same shapes and Qwen2.5-0.5B's tied LM head.
+rows, on the same shapes and Qwen2.5-0.5B's tied LM head; and its SwiGLU straight from the gate and up
+products against that projection followed by the elementwise ``silu_mul`` (8 layers, 1-2,048 rows).
 
 Best of 7 each, on every torch thread.
 
@@ -348,7 +349,50 @@ def packed_linear() -> None:
             )
 
 
-SECTIONS = ("attention", "magnitudes", "elementwise", "token_masks", "row_split", "packed_linear")
+def swiglu() -> None:
+    """SwiGLU from the products (the packed linear's ``swiglu``) against the gate-and-up projection by
+    the packed linear, then the elementwise ``silu_mul``: 8 MLP layers' gate and up, each its own
+    weights."""
+    ops, elementwise = kernels.packed_linear(), kernels.elementwise()
+    if not built(ops, "the packed linear is") or not built(
+        elementwise, "the elementwise kernels are"
+    ):
+        return
+    keep_freed_memory()
+    print(f"\n| model | rows | projection + silu_mul ({ops.isa}, ms) | swiglu (ms) | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for model, shapes in PROJECTIONS.items():
+        k, n = shapes[2]  # the fused gate and up: n = 2 x intermediate
+        weights = [torch.randn(n, k, generator=gen).bfloat16() for _ in range(8)]
+        plain = [ops.pack(w) for w in weights]
+        interleaved = [ops.pack(ops.interleaved(w)) for w in weights]
+        for rows in (1, 16, 64, 256, 512, 2048):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+
+            def separate() -> None:
+                for w in plain:
+                    elementwise.silu_mul(ops.linear(x, w, None, n))
+
+            def fused() -> None:
+                for w in interleaved:
+                    ops.swiglu(x, w, n)
+
+            theirs, mine = best_of(separate, 5), best_of(fused, 5)
+            print(
+                f"| {model} | {rows} | {theirs * 1e3:.2f} | {mine * 1e3:.2f} | {theirs / mine:.2f}x |"
+            )
+
+
+SECTIONS = (
+    "attention",
+    "magnitudes",
+    "elementwise",
+    "token_masks",
+    "row_split",
+    "packed_linear",
+    "swiglu",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -381,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             ("token_masks", token_masks),
             ("row_split", row_split),
             ("packed_linear", packed_linear),
+            ("swiglu", swiglu),
         ):
             if name in only:
                 section()
