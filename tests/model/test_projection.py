@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from plaserve.model import kernels, layers
+from plaserve.model.fused import FusedKernels
 from plaserve.model.layers import Projection, prepacked_pays, row_split_span
 
 SPLIT = kernels.row_split_mm()
@@ -283,15 +284,9 @@ def test_swiglu_from_the_products_equals_the_projection_then_silu_mul(inter):
     products, bit for bit what the separate packed projection and the elementwise kernel give (gate and
     up rounded to bfloat16 first), for steps up to ``max_packed_rows``; past that, ``swiglu`` declines
     and the projection multiplies by the plain weight in gate-then-up order."""
-    from plaserve.model.fused import FusedKernels
-
     gen = torch.Generator().manual_seed(7)
-    gate, up = (nn.Linear(64, inter, bias=False).bfloat16() for _ in range(2))
-    with torch.no_grad():
-        for lin in (gate, up):
-            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
-    w = torch.cat([gate.weight, up.weight]).detach().clone()
-    fused = Projection([gate, up], swiglu=True)
+    w = torch.randn(2 * inter, 64, generator=gen).bfloat16()  # gate, then up
+    fused = Projection([_linear_of(w[:inter]), _linear_of(w[inter:])], swiglu=True)
     separate = Projection([_linear_of(w)])
     silu_mul = FusedKernels().silu_mul
     for rows in (1, 7, 17, 300):
