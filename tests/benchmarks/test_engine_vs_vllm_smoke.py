@@ -12,6 +12,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -41,6 +42,40 @@ def test_burst_flops_are_prefills_and_decode_steps(load_benchmark) -> None:
     assert three == bench.prefill_flops(cfg, 10) + 2 * step + per_key * (11 + 12)
 
 
+def test_ttft_floor_is_a_lower_bound_and_tight_where_it_can_be(load_benchmark) -> None:
+    """Three 1 s prefills arriving together: one schedule gives TTFTs 1, 2, 3 s and none does better.
+    Staggered arrivals: serving in arrival order meets the bound. Random instances: no single-queue
+    schedule (first come or shortest first, each prefill run whole at the peak) gets below it."""
+    bench = load_benchmark("engine_vs_vllm")
+    floor = bench.ttft_floor
+    assert [floor([0.0] * 3, [1.0] * 3, q) for q in (0, 50, 100)] == [1.0, 2.0, 3.0]
+    assert floor([0.0, 0.5], [1.0, 1.0], 100) == 1.5  # the second starts at 1: waits 0.5 s
+    assert floor([0.0, 5.0], [1.0, 2.0], 100) == 2.0  # apart: each its own prefill
+    assert floor([], [], 99) == 0.0
+
+    def served(arrivals: list[float], seconds: list[float], key) -> list[float]:
+        waiting, ttfts, now, pending = [], [], 0.0, sorted(zip(arrivals, seconds))
+        while pending or waiting:
+            while pending and (pending[0][0] <= now or not waiting):
+                waiting.append(pending.pop(0))
+                now = max(now, waiting[-1][0])
+            a, s = min(waiting, key=key)
+            waiting.remove((a, s))
+            now += s
+            ttfts.append(now - a)
+        return ttfts
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 12))
+        arrivals = list(np.round(rng.uniform(0, 3, n), 2))
+        seconds = list(np.round(rng.uniform(0.05, 1, n), 2))
+        for key in (lambda r: r[0], lambda r: r[1]):
+            ttfts = served(arrivals, seconds, key)
+            for q in (50, 99):
+                assert floor(arrivals, seconds, q) <= np.percentile(ttfts, q) + 1e-9
+
+
 def test_plaserve_side_has_every_row(
     load_benchmark, tmp_path: Path, native_dtype: str, capsys
 ) -> None:
@@ -66,7 +101,7 @@ def test_plaserve_side_has_every_row(
     assert results["systems"] == ["fcfs", "pla"]  # vLLM's place first, then fcfs, then pla
     block = results["runs"]["small"][native_dtype]
     assert block["calibrated_on"] == "fcfs" and block["num_params"] > 20e6
-    assert block["burst_flops"] > 0
+    assert block["burst_flops"] > 0 and len(block["prefill_flops"]) == 6
     for system in ("fcfs", "pla"):
         r = block["systems"][system]
         assert "error" not in r, r.get("error")
@@ -117,10 +152,10 @@ def test_plaserve_side_has_every_row(
         for cell in cells:
             assert float(re.sub(r"[ |,]", "", cell)) > 0, (label, cell)
     assert "Targets" in report and "prefill at L = 64 >= 60% of the matmul peak" in report
-    # --report renders a saved run; one from before burst FLOPs were recorded gets them from the
-    # checkpoint's config.
+    # --report renders a saved run; one from before burst and prefill FLOPs were recorded gets them
+    # from the checkpoint's config.
     saved = tmp_path / "run.json"
-    del block["burst_flops"]
+    del block["burst_flops"], block["prefill_flops"]
     saved.write_text(json.dumps(results))  # what --out writes must be JSON-serialisable
     assert bench.main(["--report", str(saved), "--checkpoints", str(tmp_path / "ckpt")]) == 0
     assert "burst of 6: % of matmul peak" in capsys.readouterr().out
