@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the embedded model)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--trace", default="/work/shared/traces/azure_conv_2023.csv")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block, tokens")
     p.add_argument(
         "--runs",
         type=int,
@@ -48,6 +49,7 @@ def main() -> int:
             max_num_batched_tokens=2048,
             policy=args.policy,
             dtype=args.dtype,
+            block_size=args.block_size,
         )
     )
     engine.warm_up()

@@ -4,6 +4,7 @@ step as the in-process loop does, the server exits 1 when it dies, and it dies w
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import time
@@ -140,3 +141,30 @@ def test_engine_thread_serves_without_a_child(qwen2_ckpt: str) -> None:
         assert not [c for c in children(server.proc.pid).values() if "spawn_main" in c]
         resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 3})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+
+
+def test_outputs_from_the_engine_process_carry_their_prompt(qwen2_ckpt: str) -> None:
+    """Outputs cross the pipe without their prompt's token ids and the server puts its own back:
+    usage counts the prompt, and echo with logprobs gives each prompt token its entry, streamed or
+    not, for several requests at once."""
+    prompts = [list(range(5, 5 + n)) for n in (40, 7, 90)]
+    with ServerProcess([qwen2_ckpt, *BASE_ARGS, "--engine-mode", "process"]) as server:
+        body = {"prompt": prompts, "max_tokens": 3, "echo": True, "logprobs": 1}
+        whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        assert whole["usage"]["prompt_tokens"] == 40 + 7 + 90
+        by_index = {c["index"]: c for c in whole["choices"]}
+        for i, prompt in enumerate(prompts):
+            assert len(by_index[i]["logprobs"]["tokens"]) == len(prompt) + 3
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        tokens: dict[int, int] = {}
+        usage = None
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=stream, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    tokens[c["index"]] = tokens.get(c["index"], 0) + len(c["logprobs"]["tokens"])
+                usage = chunk.get("usage") or usage
+        assert tokens == {i: len(p) + 3 for i, p in enumerate(prompts)}
+        assert usage is not None and usage["prompt_tokens"] == 40 + 7 + 90
