@@ -313,15 +313,31 @@ def alone_bf16(qwen2_ckpt, qwen2_bf16_prompts):
     return outputs
 
 
+def test_steps_the_packed_linear_takes_whole_are_not_padded(qwen2_ckpt) -> None:
+    """Row padding serves oneDNN, which builds a kernel per row count; where every projection runs
+    in plaserve's packed linear (bfloat16 on AVX512-BF16 CPUs: up to 4,096 rows, 512 on AMX), steps
+    of up to that many rows keep their own row count."""
+    engine = make_engine(qwen2_ckpt, dtype="bfloat16")
+    rows = engine.runner.model.shape_free_rows()
+    if rows == 0:
+        pytest.skip("plaserve's packed linear does not run on this CPU")
+    assert rows >= 512 and engine.runner.pad_rows_above == rows
+    f32 = make_engine(qwen2_ckpt, dtype="float32")
+    assert f32.runner.model.shape_free_rows() == 0
+    assert f32.runner.pad_rows_above == runner_module.ROW_GRANULE_FROM
+
+
 @pytest.mark.parametrize(
-    "variant", ["chunked fcfs", "chunked pla", "prefix cached", "padded pla", "rows unpadded"]
+    "variant",
+    ["chunked fcfs", "chunked pla", "prefix cached", "padded pla", "rows padded", "rows unpadded"],
 )
 def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(
     qwen2_ckpt, qwen2_bf16_prompts, alone_bf16, variant
 ):
     """The bfloat16 counterparts of the float32 tests above, all prompts at once (batched decodes).
-    On CPU every run here pads its steps' rows to a multiple of 32 (runner.ROW_GRANULE) but "rows
-    unpadded", which must give the same tokens."""
+    On CPU the runs pad steps of more rows than the packed linear takes whole to a multiple of 32
+    (runner.ROW_GRANULE); "rows padded" pads every step of more than ROW_GRANULE_FROM rows, "rows
+    unpadded" none: both must give the same tokens."""
     kw: dict = {"dtype": "bfloat16"}
     if variant.startswith("chunked"):
         kw |= dict(
@@ -334,9 +350,11 @@ def test_bfloat16_batched_chunked_cached_and_padded_runs_equal_plain_runs(
     elif variant == "padded pla":
         kw |= dict(policy="pla", pad_short_batches="always")
     engine = make_engine(qwen2_ckpt, **kw)
+    assert engine.runner.row_granule == runner_module.ROW_GRANULE  # padded by default on CPU
     if variant == "rows unpadded":
-        assert engine.runner.row_granule == runner_module.ROW_GRANULE  # padded by default on CPU
         engine.runner.row_granule = 1
+    elif variant == "rows padded":
+        engine.runner.pad_rows_above = runner_module.ROW_GRANULE_FROM
     runs = 2 if variant == "prefix cached" else 1
     for _ in range(runs):  # the second run finds every prompt's blocks in the prefix cache
         reqs = run(engine, qwen2_bf16_prompts, BF16_GREEDY)

@@ -1,7 +1,7 @@
-"""runner.pack's row padding: a varlen step of more than ROW_GRANULE_FROM rows is padded to a multiple
-of its granule by a dummy prompt after the varlen items (K/V to the null block, never sampled), so
-oneDNN on CPU sees a few step sizes again and again; smaller steps, bucketed (static) batches and a
-granule of 1 are left alone."""
+"""runner.pack's row padding: a varlen step of more than ``pad_above`` rows (ROW_GRANULE_FROM, or what
+the packed linear takes whole) is padded to a multiple of its granule by a dummy prompt after the
+varlen items (K/V to the null block, never sampled), so oneDNN on CPU sees a few step sizes again and
+again; smaller steps, bucketed (static) batches and a granule of 1 are left alone."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def test_padded_rows():
     assert padded_rows(2048, 32) == 2048
     assert padded_rows(2049, 32) == 2080
     assert padded_rows(2049, 1) == 2049
+    assert padded_rows(98, 32, above=512) == 98  # the packed linear takes it whole
+    assert padded_rows(513, 32, above=512) == 544
 
 
 def test_a_varlen_step_is_padded_by_a_dummy_prompt_after_its_prompts():
@@ -56,3 +58,5 @@ def test_small_and_bucketed_steps_are_not_padded():
     assert pack(small, BLOCK, torch.device("cpu"), row_granule=32).input_ids.shape[0] == 40
     bucketed = ScheduledBatch([_item(70, 0, 70, first_block=1)], kind="short", bucket=128)
     assert pack(bucketed, BLOCK, torch.device("cpu"), row_granule=32).input_ids.shape[0] == 128
+    mid = ScheduledBatch([_item(70, 0, 70, first_block=1)])
+    assert pack(mid, BLOCK, torch.device("cpu"), 32, pad_above=512).input_ids.shape[0] == 70

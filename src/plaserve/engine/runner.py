@@ -49,25 +49,31 @@ def _is_decode(item: BatchItem) -> bool:
 # ms more than the same step again on the small model (40-140 ms steps; docs/BENCHMARKS.md). Serving
 # mixed prompts, most prefill steps have a new size. Steps of more than ROW_GRANULE_FROM rows are
 # therefore padded up to a multiple of ROW_GRANULE rows, so that sizes repeat; smaller steps (decode
-# batches, whose sizes recur) stay as they are.
+# batches, whose sizes recur) stay as they are. Steps that plaserve's packed linear takes whole need
+# no padding (it builds nothing per size), and there the padding was only work: a 98-token prompt
+# computed 128 rows (ModelRunner.pad_rows_above).
 ROW_GRANULE = 32
 ROW_GRANULE_FROM = 64
 
 
-def padded_rows(rows: int, granule: int) -> int:
-    """``rows`` rounded up to a multiple of ``granule`` where it is over ``ROW_GRANULE_FROM`` (1: never)."""
-    if granule <= 1 or rows <= ROW_GRANULE_FROM:
+def padded_rows(rows: int, granule: int, above: int = ROW_GRANULE_FROM) -> int:
+    """``rows`` rounded up to a multiple of ``granule`` where it is over ``above`` (granule 1: never)."""
+    if granule <= 1 or rows <= above:
         return rows
     return -(-rows // granule) * granule
 
 
 def pack(
-    batch: ScheduledBatch, block_size: int, device: torch.device, row_granule: int = 1
+    batch: ScheduledBatch,
+    block_size: int,
+    device: torch.device,
+    row_granule: int = 1,
+    pad_above: int = ROW_GRANULE_FROM,
 ) -> PackedBatch:
     """Lay out ``batch`` as varlen prefill items, then the padded bucket block, then decodes.
-    ``row_granule`` > 1: a varlen batch (no bucket; bucketed steps have static shapes already) gets a
-    dummy prompt after its varlen items that pads the step to :func:`padded_rows` rows; its tokens
-    write their K/V to the null block and nothing samples them."""
+    ``row_granule`` > 1: a varlen batch (no bucket; bucketed steps have static shapes already) of
+    more than ``pad_above`` rows gets a dummy prompt after its varlen items that pads the step to
+    :func:`padded_rows` rows; its tokens write their K/V to the null block and nothing samples them."""
     items = list(enumerate(batch.items))
     decodes = [(i, it) for i, it in items if _is_decode(it)]
     rest = [(i, it) for i, it in items if not _is_decode(it)]
@@ -107,7 +113,7 @@ def pack(
         add(i, it)
     if batch.bucket is None:
         rows_in_step = len(ids) + len(decodes)
-        extra = padded_rows(rows_in_step, row_granule) - rows_in_step
+        extra = padded_rows(rows_in_step, row_granule, pad_above) - rows_in_step
         if extra:
             prefill.append(PrefillSeq(len(ids), extra, 0, None))
             ids.extend([0] * extra)
@@ -186,10 +192,13 @@ class ModelRunner:
         self.grid_fallbacks = 0
         self.decode_grid: GraphGrid | None = None
         dtype = next(model.parameters()).dtype
-        # varlen steps' rows padded to a multiple of this (pack's ROW_GRANULE note: oneDNN on CPU)
+        # varlen steps' rows padded to a multiple of this (pack's ROW_GRANULE note: oneDNN on CPU),
+        # those of more rows than the packed linear takes whole
         self.row_granule = (
             ROW_GRANULE if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) else 1
         )
+        shape_free = getattr(model, "shape_free_rows", lambda: 0)()
+        self.pad_rows_above = max(ROW_GRANULE_FROM, shape_free)
 
     def build_grid(self, shapes: list[tuple[int, int]], capture: bool = True) -> None:
         """Create (and on CUDA capture) the static runners for ``shapes`` of ``(batch, bucket)``."""
@@ -255,7 +264,7 @@ class ModelRunner:
                 batch = dataclasses.replace(batch, bucket=None)
         if batch.kind == "short" and static is None and self.grid is not None:
             self.grid_fallbacks += 1
-        packed = pack(batch, self.block_size, self.device, self.row_granule)
+        packed = pack(batch, self.block_size, self.device, self.row_granule, self.pad_rows_above)
         if static is not None:
             assert self.grid is not None
             self.grid.hits += 1

@@ -260,6 +260,9 @@ class Projection:
             self.max_packed_rows = (
                 self.PACKED_MAX_ROWS if weight.dtype == torch.float32 else self.PACKED_MAX_ROWS_HALF
             )
+            # Steps of up to this many rows run in plaserve's packed linear, which, unlike oneDNN,
+            # builds no kernel per row count (0: none do).
+            self.shape_free_rows = 0
             if own is not None and own.fits(weight):
                 n = weight.shape[0]
                 if swiglu and bias is None and n % 32 == 0:
@@ -271,6 +274,7 @@ class Projection:
                 self.packed = packed
                 if own.isa != "AMX":
                     self.max_packed_rows = self.PACKED_MAX_ROWS_VNNI
+                self.shape_free_rows = self.max_packed_rows
             elif on_cpu and prepacked_pays(weight.dtype):
                 packed = _reorder(weight)
                 self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)

@@ -51,6 +51,18 @@ class LlamaForCausalLM(nn.Module):
             [self.lm_head], shared=self.config.tie_word_embeddings, split_rows=False
         )
 
+    def shape_free_rows(self) -> int:
+        """The most rows a step may have for every decoder projection to run in plaserve's packed
+        linear, which builds no kernel per row count (0: some projection never does; see
+        :class:`~plaserve.model.layers.Projection`). The LM head, which multiplies only the sampled
+        rows, does not count."""
+        projections = [
+            p
+            for layer in self.model.layers
+            for p in (layer.self_attn.qkv, layer.self_attn.o, layer.mlp.gate_up, layer.mlp.down)
+        ]
+        return min((0 if p is None else p.shape_free_rows for p in projections), default=0)
+
     def compile_kernels(self, min_tokens: int | None) -> None:
         """Run the elementwise work of steps of at least ``min_tokens`` tokens compiled (None: all
         eager); see :mod:`plaserve.model.fused`."""
