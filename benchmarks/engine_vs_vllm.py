@@ -522,12 +522,14 @@ def ttft_floor(arrivals: list[float], seconds: list[float], q: float) -> float:
     ``a0`` to ``a1`` with prefills summing to W, the j-th from last of them to finish ends no sooner
     than ``a0 + W`` less the j - 1 longest of their prefills (at most what finishes after it), so the
     last j each wait at least that less ``a1``. Every run of consecutive arrivals is tried."""
-    n = len(arrivals)
+    n, total = len(arrivals), sum(seconds)
     order = sorted(range(n), key=arrivals.__getitem__)
     largest = sorted(seconds, reverse=True)  # largest[j]: a bound on the (j+1)-th largest TTFT
     for i in range(n):
         for k in range(i, n):
             spread = arrivals[order[k]] - arrivals[order[i]]
+            if spread > total:  # this run's and every longer one's bounds are negative
+                break
             works = sorted((seconds[m] for m in order[i : k + 1]), reverse=True)
             left = sum(works)  # what ends no sooner than a0 + left
             for j, w in enumerate(works):
