@@ -8,7 +8,7 @@ from torch import nn
 
 from plaserve.model import kernels, layers
 from plaserve.model.fused import FusedKernels
-from plaserve.model.layers import Projection, prepacked_pays, row_split_span
+from plaserve.model.layers import Projection, prepacked_rows, row_split_span
 
 SPLIT = kernels.row_split_mm()
 PACKED = kernels.packed_linear()
@@ -20,24 +20,38 @@ needs_split = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["probed", "packed", "plain"])
+FLOAT32_PACKED_ROWS = {
+    "packed": Projection.PACKED_MAX_ROWS,
+    "packed-every-step": Projection.PACKED_EVERY_STEP,
+    "plain": 0,
+}
+
+
+@pytest.fixture(params=["probed", *FLOAT32_PACKED_ROWS])
 def packing(request, monkeypatch):
-    """Each float32 layout whatever this CPU's probe finds: as probed, forced packed, forced plain."""
+    """Each float32 layout whatever this CPU's probe finds: as probed, forced packed (decode-sized
+    steps or every step), forced plain."""
     if request.param != "probed":
-        forced = request.param == "packed"
+        forced = FLOAT32_PACKED_ROWS[request.param]
         monkeypatch.setattr(
             layers,
-            "prepacked_pays",
-            lambda dtype: forced if dtype == torch.float32 else prepacked_pays(dtype),
+            "prepacked_rows",
+            lambda dtype: forced if dtype == torch.float32 else prepacked_rows(dtype),
         )
     return request.param
+
+
+def beyond_packed(proj: Projection) -> int:
+    """A step of more rows than ``proj``'s packed copy takes (the plain weight's), or of 300 where it
+    takes every step."""
+    return min(proj.max_packed_rows, 299) + 1
 
 
 def _packs(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a projection of ``weight`` (``[out, in]``) gets a packed copy: the packed linear's
     where it takes the shape, else oneDNN's where that pays."""
     own = PACKED is not None and dtype == torch.bfloat16 and PACKED.fits(weight.to(dtype))
-    return own or layers.prepacked_pays(dtype)
+    return own or layers.prepacked_rows(dtype) > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,13 +73,8 @@ def test_fused_projection_equals_its_linears(dtype, bias, packing):
             torch.equal(lin.weight.float(), w)
             and lin.weight.untyped_storage().data_ptr() == proj.weight.untyped_storage().data_ptr()
         )
-    # the last by the plain transposed weight
-    for rows in (
-        1,
-        5,
-        64,
-        proj.max_packed_rows + 1,
-    ):
+    # the last by the plain transposed weight, where the packed copy does not take every step
+    for rows in (1, 5, 64, beyond_packed(proj)):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = torch.cat(
             [
@@ -100,7 +109,7 @@ def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype,
     assert torch.equal(emb.weight.detach(), before)
     assert proj.weight.data_ptr() == emb.weight.data_ptr()
     assert (proj.packed is not None) == _packs(proj.weight, dtype)
-    for rows in (1, 16, proj.max_packed_rows + 1):
+    for rows in (1, 16, beyond_packed(proj)):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = nn.functional.linear(x.float(), before.float())
         torch.testing.assert_close(
@@ -108,14 +117,40 @@ def test_shared_projection_keeps_the_tied_weight_and_multiplies_as_linear(dtype,
         )
 
 
-def test_prepacked_pays_in_half_precision_and_decides_float32_once():
+def test_prepacked_rows_in_half_precision_and_float32_decided_once():
     # half precision wherever oneDNN can pack it: every AVX512 CPU, not an AVX2-only one without
     # bf16 conversions (where the probe's reorder is refused and the layout stays plain)
     if layers._can_prepack() and torch.backends.cpu.get_cpu_capability() == "AVX512":
-        assert layers.prepacked_pays(torch.bfloat16)
-    first = layers.prepacked_pays(torch.float32)  # the probe, once a process
-    assert layers.prepacked_pays(torch.float32) is first
-    assert layers.prepacked_pays.cache_info().hits >= 1
+        assert layers.prepacked_rows(torch.bfloat16) == Projection.PACKED_MAX_ROWS_HALF
+    first = layers.prepacked_rows(torch.float32)  # the probes, once a process
+    assert first in (0, Projection.PACKED_MAX_ROWS, Projection.PACKED_EVERY_STEP)
+    assert layers.prepacked_rows(torch.float32) is first
+    assert layers.prepacked_rows.cache_info().hits >= 1
+
+
+@pytest.mark.skipif(not layers._can_prepack(), reason="no oneDNN packed linear in this torch build")
+@pytest.mark.parametrize("forced", ["packed", "packed-every-step"])
+def test_float32_steps_take_the_packed_copy_up_to_its_rows(forced, monkeypatch):
+    """Where the float32 probe finds oneDNN's packed layout faster at prefill sizes too (as on an
+    AVX-512 AMD EPYC), prefill-sized steps multiply by it as well; else only decode-sized ones."""
+    rows_limit = FLOAT32_PACKED_ROWS[forced]
+    monkeypatch.setattr(layers, "prepacked_rows", lambda dtype: rows_limit)
+    calls = []
+
+    def counting(x, packed, bias):
+        calls.append(x.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    monkeypatch.setattr(layers, "_packed_linear", counting)
+    gen = torch.Generator().manual_seed(3)
+    lin = nn.Linear(64, 96)
+    proj = Projection([lin])
+    assert proj.max_packed_rows == rows_limit
+    sizes = (1, 16, 300, 1500)
+    for rows in sizes:
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(proj(x), lin(x), atol=1e-4, rtol=1e-4)
+    assert calls == [rows for rows in sizes if rows <= rows_limit]
 
 
 @needs_split

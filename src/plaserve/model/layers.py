@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,48 +90,78 @@ def _packed_linear(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# The float32 probes of :func:`prepacked_rows`: rows x ``[in, out]`` of a decode-sized multiply and of
+# a prefill-sized one (~20 ms and ~80 ms, once a process).
+F32_PROBE_DECODE = (16, 1024, 4096)
+F32_PROBE_PREFILL = (1024, 1024, 1024)
+
+
+def _best_times(ways: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Each of ``ways`` timed in turn, ``rounds`` times, the first round only a warm-up (alternating,
+    so that a slow spell of the machine falls on all of them): the best seconds of each."""
+    best = dict.fromkeys(ways, math.inf)
+    for round_ in range(rounds):
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            if round_:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def _packed_speedup(rows: int, k: int, n: int) -> float:
+    """How many times faster a ``rows`` x ``[k, n]`` float32 multiply runs by oneDNN's packed copy of
+    the weight than by the plain transposed one (MKL's): alternating, best of 5 after a warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    plain, packed = weight.t().contiguous(), _reorder(weight)
+    best = _best_times(
+        {"plain": lambda: x @ plain, "packed": lambda: _packed_linear(x, packed, None)}, rounds=6
+    )
+    return best["plain"] / best["packed"]
+
+
 @functools.cache
-def prepacked_pays(dtype: torch.dtype) -> bool:
-    """Whether decode-sized steps on this CPU should multiply by a copy of each weight prepacked in
-    oneDNN's blocked layout, in ``dtype``.
+def prepacked_rows(dtype: torch.dtype) -> int:
+    """The largest step, in rows, that multiplies by a copy of each weight prepacked in oneDNN's
+    blocked layout on this CPU, in ``dtype``; 0: no packed copy.
 
     In half precision wherever oneDNN can pack it (CPUs with AVX512-BF16 / AMX / AVX-NE-CONVERT;
-    elsewhere these dtypes are emulated and slow anyway): by any plain layout oneDNN repacks the whole
-    weight on every call, which for a decode batch costs more than the multiplication. In float32 the
-    plain transposed layout goes to MKL, whose speed on few rows depends on the CPU (on an AVX2 AMD
-    EPYC oneDNN's packed layout was 1.2-2.5x faster at 16-64 rows; docs/BENCHMARKS.md), so a 16-row
-    multiply by a 1024 x 4096 weight is timed both ways, once a process (~20 ms), and the packed
-    copy is made only where it wins by 10 %.
+    elsewhere these dtypes are emulated and slow anyway), steps of up to
+    ``Projection.PACKED_MAX_ROWS_HALF`` rows: by any plain layout oneDNN repacks the whole weight on
+    every call, which for a decode batch costs more than the multiplication. In float32 the plain
+    transposed layout goes to MKL, whose speed depends on the CPU: on an AVX2 AMD EPYC oneDNN's packed
+    layout was 1.2-2.5x faster at 16-64 rows, on an AVX-512 AMD EPYC (Zen 5) 2-3x at every size, on
+    an Intel Xeon MKL ran long prefills faster (docs/BENCHMARKS.md). So both ways are timed once a
+    process, a decode-sized multiply and, where the packed copy wins that by 10 %, a prefill-sized one:
+    none, steps of up to ``Projection.PACKED_MAX_ROWS`` rows, or every step
+    (``Projection.PACKED_EVERY_STEP``) take the packed copy.
     """
     if not _can_prepack():
-        return False
+        return 0
     if dtype != torch.float32:
         try:  # oneDNN packs half precision only on CPUs that convert it in hardware
             _reorder(torch.zeros(32, 32, dtype=dtype))
         except RuntimeError as e:
             log.info("no packed %s weights on this CPU: %s", dtype, e)
-            return False
-        return True
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(4096, 1024, generator=gen)
-    x = torch.randn(Projection.PACK_ROWS_HINT, 1024, generator=gen)
-    plain, packed = weight.t().contiguous(), _reorder(weight)
-    ways = {"plain": lambda: x @ plain, "packed": lambda: _packed_linear(x, packed, None)}
-    best = dict.fromkeys(ways, math.inf)
-    for _ in range(6):  # alternating, best of each: the first round only warms up
-        for name, way in ways.items():
-            start = time.perf_counter()
-            way()
-            best[name] = min(best[name], time.perf_counter() - start)
-    pays = best["packed"] < 0.9 * best["plain"]
+            return 0
+        return Projection.PACKED_MAX_ROWS_HALF
+    decode, prefill, rows, uses = _packed_speedup(*F32_PROBE_DECODE), None, 0, "no packed copies"
+    if decode > 1 / 0.9:
+        prefill = _packed_speedup(*F32_PROBE_PREFILL)
+        if prefill > 1 / 0.9:
+            rows, uses = Projection.PACKED_EVERY_STEP, "every step uses packed copies"
+        else:
+            rows, uses = Projection.PACKED_MAX_ROWS, "decode-sized steps use packed copies"
     log.info(
-        "float32 weights: a 16-row multiply took %.2f ms by the plain layout, %.2f ms by oneDNN's "
-        "packed one: %s",
-        1e3 * best["plain"],
-        1e3 * best["packed"],
-        "decode-sized steps use packed copies" if pays else "no packed copies",
+        "float32 weights: oneDNN's packed layout ran %.2fx MKL's plain one at %d rows%s: %s",
+        decode,
+        F32_PROBE_DECODE[0],
+        "" if prefill is None else f", {prefill:.2f}x at {F32_PROBE_PREFILL[0]}",
+        uses,
     )
-    return pays
+    return rows
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
@@ -169,13 +200,9 @@ def row_split_span(k: int, n: int, dtype: torch.dtype, threads: int) -> tuple[in
     with torch.inference_mode():
         for rows in SPLIT_PROBE_ROWS:
             x = torch.randn(rows, k, generator=gen).to(dtype)
-            ways = {"plain": lambda: x @ w, "split": lambda: op(x, w, threads)}
-            best = dict.fromkeys(ways, math.inf)
-            for _ in range(5):  # the first round only warms up
-                for name, way in ways.items():
-                    start = time.perf_counter()
-                    way()
-                    best[name] = min(best[name], time.perf_counter() - start)
+            best = _best_times(
+                {"plain": lambda: x @ w, "split": lambda: op(x, w, threads)}, rounds=5
+            )
             wins.append(best["split"] < 0.9 * best["plain"])
             if best["plain"] > SPLIT_PROBE_MAX_SECONDS:
                 break  # a multiply this large keeps the threads busy: the larger ones are not timed
@@ -207,9 +234,9 @@ class Projection:
     copy, packed once (these weights then take twice their size): in bfloat16 on CPUs with
     AVX512-BF16, in the layout of :func:`plaserve.model.kernels.packed_linear` (faster than oneDNN's
     on decode-sized steps, and without AMX faster than MKL's on prefills too, docs/BENCHMARKS.md);
-    elsewhere, where :func:`prepacked_pays` (bfloat16 / float16 wherever oneDNN can pack them,
-    float32 where a probe finds it faster on this CPU), in oneDNN's blocked layout
-    (``mkldnn._linear_pointwise``). Larger steps whose row count lies in :func:`row_split_span`
+    elsewhere, where :func:`prepacked_rows` finds it pays (bfloat16 / float16 wherever oneDNN can
+    pack them; float32 where a probe finds it faster on this CPU, for every step where it wins at
+    prefill sizes too), in oneDNN's blocked layout (``mkldnn._linear_pointwise``). Larger steps whose row count lies in :func:`row_split_span`
     multiply with their rows split between the threads. Elsewhere the weight stays as ``nn.Linear``
     stores it, through ``F.linear``.
 
@@ -223,10 +250,13 @@ class Projection:
 
     # Rows oneDNN is told to expect when it picks the packed layout: a decode batch.
     PACK_ROWS_HINT = 16
-    # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower. In
-    # half precision the packed one still wins up to 512 rows (docs/BENCHMARKS.md, "Native CPU kernels").
+    # Larger steps use the plain transposed weight: by the packed one, a long prefill runs slower, in
+    # float32 where MKL is fast (prepacked_rows). In half precision the packed one still wins up to 512
+    # rows (docs/BENCHMARKS.md, "Native CPU kernels").
     PACKED_MAX_ROWS = 256
     PACKED_MAX_ROWS_HALF = 512
+    # float32 where oneDNN's packed layout beats MKL at prefill sizes too (prepacked_rows): no limit.
+    PACKED_EVERY_STEP = sys.maxsize
     # Without AMX, plaserve's packed linear beat MKL's matmul by the plain weight at every row count
     # measured, 128-4,096 (docs/BENCHMARKS.md, "The night of 2026-12-04 (21:56-)"): it takes every
     # step up to there. With AMX it keeps the half-precision limit above.
@@ -275,9 +305,10 @@ class Projection:
                 if own.isa != "AMX":
                     self.max_packed_rows = self.PACKED_MAX_ROWS_VNNI
                 self.shape_free_rows = self.max_packed_rows
-            elif on_cpu and prepacked_pays(weight.dtype):
+            elif on_cpu and (rows := prepacked_rows(weight.dtype)):
                 packed = _reorder(weight)
                 self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)
+                self.max_packed_rows = rows
             if self.transposed:
                 weight = weight.t().contiguous()
             # (0, 0): never. Not timed where the packed copy takes every row count the split could.
