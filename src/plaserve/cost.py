@@ -124,13 +124,16 @@ def measure_peak_flops(
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     ways = [lambda: a @ b]
-    if device.type == "cpu" and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if device.type == "cpu":
+        # here, as torch above: the projections' own oneDNN calls
+        from plaserve.model.layers import _can_prepack, _packed_linear, _reorder
+
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(b, size)
+            packed = _reorder(b) if _can_prepack() else None
         except RuntimeError:  # a dtype oneDNN cannot pack on this CPU
             packed = None
         if packed is not None:
-            ways.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+            ways.append(lambda: _packed_linear(a, packed, None))
     return max(_flop_rate(way, device, 2 * size**3, seconds / len(ways)) for way in ways)
 
 

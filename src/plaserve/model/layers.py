@@ -236,9 +236,9 @@ class Projection:
     on decode-sized steps, and without AMX faster than MKL's on prefills too, docs/BENCHMARKS.md);
     elsewhere, where :func:`prepacked_rows` finds it pays (bfloat16 / float16 wherever oneDNN can
     pack them; float32 where a probe finds it faster on this CPU, for every step where it wins at
-    prefill sizes too), in oneDNN's blocked layout (``mkldnn._linear_pointwise``). Larger steps whose row count lies in :func:`row_split_span`
-    multiply with their rows split between the threads. Elsewhere the weight stays as ``nn.Linear``
-    stores it, through ``F.linear``.
+    prefill sizes too), in oneDNN's blocked layout (``mkldnn._linear_pointwise``). Larger steps whose
+    row count lies in :func:`row_split_span` multiply with their rows split between the threads.
+    Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added. ``split_rows``: whether to
