@@ -46,6 +46,7 @@ import torch
 from plaserve import LLM, SamplingParams
 from plaserve.model.attention import AttentionMetadata, PrefillSeq
 from plaserve.model.config import ModelConfig
+from plaserve.model.default import init_random_weights
 from plaserve.model.llama import LlamaForCausalLM as OurLlama
 from plaserve.model.loader import load_model
 
@@ -211,12 +212,22 @@ def hf_config(cfg: ModelConfig) -> Any:
     )
 
 
-def build_hf_model(ours: OurLlama, cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
-    """A ``transformers.LlamaForCausalLM`` holding exactly our weights (in ``dtype``, SDPA attention)."""
+def default_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The embedded default model's weights as ``load_model(None)`` draws them (the same seed), taken
+    before its projections are fused: where their packed copies take every step, the fused model's
+    ``nn.Linear`` parameters are meta tensors (docs/ARCHITECTURE.md)."""
+    model = OurLlama(cfg)
+    init_random_weights(model)
+    return model.to(dtype).state_dict()
+
+
+def build_hf_model(cfg: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+    """A ``transformers.LlamaForCausalLM`` holding exactly our default model's weights (in ``dtype``,
+    SDPA attention)."""
     import transformers
 
     hf = transformers.LlamaForCausalLM(hf_config(cfg)).to(dtype).eval()
-    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    missing, unexpected = hf.load_state_dict(default_weights(cfg, dtype), strict=False)
     # Every HF parameter must come from ours; ours only differs by non-persistent buffers (rope tables),
     # which state_dict() leaves out, so nothing should be unexpected either.
     if missing or unexpected:
@@ -264,9 +275,11 @@ def make_llm(sizes: Sizes, **kwargs: Any) -> LLM:
     return LLM(None, dtype=sizes.dtype, kv_cache_memory=sizes.kv_cache_memory, **extra, **kwargs)
 
 
-def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+def same_weights(a: OurLlama, b: OurLlama) -> bool:
+    """Whether two of our models compute alike: the same logits, bit for bit, on one prompt (their
+    parameters may be meta tensors, the weights living in the projections' packed copies)."""
+    ids = random_prompt(16, torch.Generator().manual_seed(0))
+    return torch.equal(a.compute_logits(our_forward(a, ids)), b.compute_logits(our_forward(b, ids)))
 
 
 # --- timing primitives ---------------------------------------------------------------------------
@@ -774,7 +787,7 @@ def run_benchmark(sizes: Sizes = FULL, sections: tuple[str, ...] = SECTIONS) -> 
     dtype = DTYPES[sizes.dtype]
     loaded = load_model(None, dtype, torch.device("cpu"))
     ours, cfg = loaded.model, loaded.config
-    hf = build_hf_model(ours, cfg, dtype)
+    hf = build_hf_model(cfg, dtype)
     gen = torch.Generator().manual_seed(sizes.seed + 2)
     diff = logits_max_diff(ours, hf, random_prompt(sizes.logits_check_length, gen))
     log(f"logits check (L={sizes.logits_check_length}): max |ours - transformers| = {diff:.2e}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -65,23 +67,29 @@ def test_fused_projection_equals_its_linears(dtype, bias, packing):
             if bias:
                 lin.bias.copy_(torch.randn(lin.bias.shape, generator=gen))
     expected = [lin.weight.float().clone() for lin in linears]
+    fused = torch.cat([lin.weight.detach() for lin in linears])
     proj = Projection(linears)
-    assert proj.transposed  # on CPU
-    assert (proj.packed is not None) == _packs(proj.weight.T, dtype)
-    for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
-        assert (
-            torch.equal(lin.weight.float(), w)
-            and lin.weight.untyped_storage().data_ptr() == proj.weight.untyped_storage().data_ptr()
+    assert (proj.packed is not None) == _packs(fused, dtype)
+    if proj.weight is None:  # the packed copy takes every step: no plain weight kept beside it
+        assert proj.packed is not None and proj.max_packed_rows == Projection.PACKED_EVERY_STEP
+        assert all(
+            lin.weight.is_meta and lin.weight.shape == w.shape for lin, w in zip(linears, expected)
         )
+    else:
+        assert proj.transposed  # on CPU
+        for lin, w in zip(linears, expected):  # still the same weights, now views of the fused one
+            assert (
+                torch.equal(lin.weight.float(), w)
+                and lin.weight.untyped_storage().data_ptr()
+                == proj.weight.untyped_storage().data_ptr()
+            )
     # the last by the plain transposed weight, where the packed copy does not take every step
     for rows in (1, 5, 64, beyond_packed(proj)):
         x = torch.randn(rows, 48, generator=gen).to(dtype)
         want = torch.cat(
             [
-                nn.functional.linear(
-                    x.float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
-                )
-                for lin in linears
+                nn.functional.linear(x.float(), w, None if lin.bias is None else lin.bias.float())
+                for lin, w in zip(linears, expected)
             ],
             -1,
         )
@@ -144,12 +152,14 @@ def test_float32_steps_take_the_packed_copy_up_to_its_rows(forced, monkeypatch):
     monkeypatch.setattr(layers, "_packed_linear", counting)
     gen = torch.Generator().manual_seed(3)
     lin = nn.Linear(64, 96)
+    reference = copy.deepcopy(lin)  # lin's weight goes where the packed copy takes every step
     proj = Projection([lin])
     assert proj.max_packed_rows == rows_limit
+    assert (proj.weight is None) == (rows_limit == Projection.PACKED_EVERY_STEP)
     sizes = (1, 16, 300, 1500)
     for rows in sizes:
         x = torch.randn(rows, 64, generator=gen)
-        torch.testing.assert_close(proj(x), lin(x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(proj(x), reference(x), atol=1e-4, rtol=1e-4)
     assert calls == [rows for rows in sizes if rows <= rows_limit]
 
 
@@ -177,6 +187,9 @@ def test_row_split_matmul_equals_the_plain_one(dtype, rows, parts):
 @needs_split
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_projection_splits_rows_in_its_span_and_multiplies_as_its_linears(bias, monkeypatch):
+    # without plaserve's packed linear, which takes every step where the CPU lacks AMX: oneDNN's
+    # packed copy for decode-sized steps, the plain weight (split or not) for the rest
+    monkeypatch.setattr(kernels, "packed_linear", lambda: None)
     gen = torch.Generator().manual_seed(2)
     linears = [nn.Linear(64, n, bias=bias).to(torch.bfloat16) for n in (48, 16)]
     weight = torch.cat([lin.weight.detach().float() for lin in linears])
@@ -273,11 +286,13 @@ def test_packed_linear_equals_one_rounding_of_the_float32_product(rows, shape, b
 
 
 @needs_packed
-def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
+def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows(monkeypatch):
     """A bfloat16 projection whose shape the kernel takes multiplies steps of up to
-    ``max_packed_rows`` rows by the kernel's layout (one flat copy: decode-sized steps on AMX, prefills
-    too without it), larger ones by the plain weight, and a row that is not contiguous goes the plain
-    way too; all as ``nn.Linear`` does."""
+    ``max_packed_rows`` rows by the kernel's layout (one flat copy: decode-sized steps on AMX, every
+    step without it, in calls of up to ``VNNI_CALL_ROWS`` rows, and then no plain weight is kept),
+    larger ones by the plain weight, and a row that is not contiguous goes the plain way too where
+    there is one; all as ``nn.Linear`` does."""
+    monkeypatch.setattr(Projection, "VNNI_CALL_ROWS", 256)
     gen = torch.Generator().manual_seed(5)
     lin = nn.Linear(64, 48, bias=True).bfloat16()
     with torch.no_grad():
@@ -288,13 +303,14 @@ def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
     assert proj.packed is not None and proj.packed.shape == (48 * 64,)
     amx = PACKED.isa == "AMX"
     assert proj.max_packed_rows == (
-        Projection.PACKED_MAX_ROWS_HALF if amx else Projection.PACKED_MAX_ROWS_VNNI
+        Projection.PACKED_MAX_ROWS_HALF if amx else Projection.PACKED_EVERY_STEP
     )
+    assert (proj.weight is None) == (not amx) and lin.weight.is_meta == (not amx)
     if not amx:
         assert proj.split_span == (0, 0)  # no row count left for a split: none timed
     calls = []
     real = PACKED.linear
-    sizes = (1, 16, 600, proj.max_packed_rows + 1)
+    sizes = (1, 16, 600, min(proj.max_packed_rows, 999) + 1)
     try:
         PACKED.linear = lambda *args: calls.append(args[0].shape[0]) or real(*args)
         for rows in sizes:
@@ -308,27 +324,34 @@ def test_bfloat16_projections_use_the_packed_linear_up_to_their_packed_rows():
         )
     finally:
         PACKED.linear = real
-    assert calls == [rows for rows in sizes if rows <= proj.max_packed_rows]
+    if amx:
+        assert calls == [rows for rows in sizes if rows <= proj.max_packed_rows]
+    else:  # 600 and 1,000 rows in calls of 256; the strided rows copied first
+        assert calls == [1, 16, 256, 256, 88, 256, 256, 256, 232, 4]
 
 
 @needs_packed
 # 6 or 8 blocks of gate and up: with a tile pair's tail, without
 @pytest.mark.parametrize("inter", [48, 64])
-def test_swiglu_from_the_products_equals_the_projection_then_silu_mul(inter):
+def test_swiglu_from_the_products_equals_the_projection_then_silu_mul(inter, monkeypatch):
     """An MLP's gate and up built with ``swiglu`` give ``silu(gate) * up`` straight from the packed
     products, bit for bit what the separate packed projection and the elementwise kernel give (gate and
-    up rounded to bfloat16 first), for steps up to ``max_packed_rows``; past that, ``swiglu`` declines
-    and the projection multiplies by the plain weight in gate-then-up order."""
+    up rounded to bfloat16 first), for steps up to ``max_packed_rows`` (every step without AMX, in
+    calls of up to ``VNNI_CALL_ROWS`` rows); past that, ``swiglu`` declines and the projection
+    multiplies by the plain weight in gate-then-up order."""
+    monkeypatch.setattr(Projection, "VNNI_CALL_ROWS", 256)
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(2 * inter, 64, generator=gen).bfloat16()  # gate, then up
     fused = Projection([_linear_of(w[:inter]), _linear_of(w[inter:])], swiglu=True)
     separate = Projection([_linear_of(w)])
     silu_mul = FusedKernels().silu_mul
-    for rows in (1, 7, 17, 300):
+    for rows in (1, 7, 17, 300, min(600, fused.max_packed_rows)):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         got = fused.swiglu(x)
         assert got is not None and got.shape == (rows, inter)
         assert torch.equal(got, silu_mul(separate(x)))
+    if fused.weight is None:  # the packed copy takes every step
+        return
     x = torch.randn(fused.max_packed_rows + 1, 64, generator=gen).bfloat16()
     assert fused.swiglu(x) is None
     torch.testing.assert_close(

@@ -164,6 +164,19 @@ def prepacked_rows(dtype: torch.dtype) -> int:
     return rows
 
 
+def _by_rows(
+    call: Callable[[torch.Tensor], torch.Tensor], rows: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``call`` over at most ``rows`` rows of its input at a time, the results concatenated."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= rows:
+            return call(x)
+        return torch.cat([call(part) for part in x.split(rows)])
+
+    return run
+
+
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (``[out, in]``) in oneDNN's blocked layout for steps of about ``PACK_ROWS_HINT``
     rows."""
@@ -238,7 +251,9 @@ class Projection:
     pack them; float32 where a probe finds it faster on this CPU, for every step where it wins at
     prefill sizes too), in oneDNN's blocked layout (``mkldnn._linear_pointwise``). Larger steps whose
     row count lies in :func:`row_split_span` multiply with their rows split between the threads.
-    Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``.
+    Elsewhere the weight stays as ``nn.Linear`` stores it, through ``F.linear``. Where the packed copy
+    takes every step, the plain weight is not kept at all: the linears' parameters become meta tensors
+    of their shapes (nothing multiplies by them), and the weights take their size once, not twice.
 
     ``shared``: one linear whose weight another module reads too (an LM head tied to the embedding
     table): its weight keeps its layout, and only the packed copy is added. ``split_rows``: whether to
@@ -258,9 +273,12 @@ class Projection:
     # float32 where oneDNN's packed layout beats MKL at prefill sizes too (prepacked_rows): no limit.
     PACKED_EVERY_STEP = sys.maxsize
     # Without AMX, plaserve's packed linear beat MKL's matmul by the plain weight at every row count
-    # measured, 128-4,096 (docs/BENCHMARKS.md, "The night of 2026-12-04 (21:56-)"): it takes every
-    # step up to there. With AMX it keeps the half-precision limit above.
-    PACKED_MAX_ROWS_VNNI = 4096
+    # measured, 128-4,096 (docs/BENCHMARKS.md, "The night of 2026-12-04 (21:56-)"), and ran level
+    # with it at 8,192: it takes every step, in calls of at most this many rows. Larger calls ran
+    # slower (16,384 rows of Qwen2.5-0.5B's q|k|v: 809 against 1,002 GFLOP/s at 8,192), each group of
+    # outputs streaming every row of x again once x outgrows the cache. With AMX it keeps the
+    # half-precision limit above.
+    VNNI_CALL_ROWS = 4096
 
     def __init__(
         self,
@@ -295,32 +313,43 @@ class Projection:
             self.shape_free_rows = 0
             if own is not None and own.fits(weight):
                 n = weight.shape[0]
+                calls = self.VNNI_CALL_ROWS if own.isa != "AMX" else sys.maxsize
                 if swiglu and bias is None and n % 32 == 0:
                     packed = own.pack(own.interleaved(weight.contiguous()))
-                    self._swiglu_call = lambda x: own.swiglu(x, packed, n)
+                    self._swiglu_call = _by_rows(lambda x: own.swiglu(x, packed, n), calls)
                 else:
                     packed = own.pack(weight.contiguous())
-                    self._packed_call = lambda x: own.linear(x, packed, bias, n)
+                    self._packed_call = _by_rows(lambda x: own.linear(x, packed, bias, n), calls)
                 self.packed = packed
                 if own.isa != "AMX":
-                    self.max_packed_rows = self.PACKED_MAX_ROWS_VNNI
+                    self.max_packed_rows = self.PACKED_EVERY_STEP
                 self.shape_free_rows = self.max_packed_rows
             elif on_cpu and (rows := prepacked_rows(weight.dtype)):
                 packed = _reorder(weight)
                 self.packed, self._packed_call = packed, lambda x: _packed_linear(x, packed, bias)
                 self.max_packed_rows = rows
-            if self.transposed:
+            # The plain weight, unless the packed copy takes every step (a shared one is another
+            # module's: it stays whatever this projection does).
+            plain = shared or self.packed is None or self.max_packed_rows < self.PACKED_EVERY_STEP
+            if not plain:
+                self.transposed = False
+                for lin in linears:
+                    lin.weight = nn.Parameter(
+                        torch.empty_like(lin.weight, device="meta"), requires_grad=False
+                    )
+                weight = None
+            elif self.transposed:
                 weight = weight.t().contiguous()
             # (0, 0): never. Not timed where the packed copy takes every row count the split could.
             split = split_rows and self.max_packed_rows < SPLIT_PROBE_ROWS[-1]
             self.split_span = (
                 row_split_span(*weight.shape, weight.dtype, torch.get_num_threads())
-                if self.transposed and split
+                if weight is not None and self.transposed and split
                 else (0, 0)
             )
             start = 0
             # A shared weight keeps its layout: no linear's weight to re-point at the fused one.
-            for lin in [] if shared else linears:
+            for lin in [] if shared or weight is None else linears:
                 rows = lin.weight.shape[0]
                 lin.weight.data = (
                     weight[:, start : start + rows].t()
@@ -330,21 +359,34 @@ class Projection:
                 if bias is not None:
                     lin.bias.data = bias[start : start + rows]
                 start += rows
-        self.weight, self.bias = weight, bias
+        # None where the packed copy takes every step
+        self.weight: torch.Tensor | None = weight
+        self.bias = bias
 
     def _packed_takes(self, x: torch.Tensor) -> bool:
+        if self.weight is None:
+            return True
         return x.shape[0] <= self.max_packed_rows and x.dim() == 2 and x.stride(-1) == 1
+
+    def _packed(
+        self, call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """``call`` (a product by the packed copy) on ``x``; where no plain weight could take it
+        instead, ``x`` as the packed copy takes it first: ``[rows, in]``, each row contiguous."""
+        if x.dim() == 2 and x.stride(-1) == 1:
+            return call(x)
+        return call(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this gate-and-up projection (built with ``swiglu``) in one pass,
         where its packed copy takes ``x``; else None (multiply, then the elementwise SwiGLU)."""
         if self._swiglu_call is not None and self._packed_takes(x):
-            return self._swiglu_call(x)
+            return self._packed(self._swiglu_call, x)
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_call is not None and self._packed_takes(x):
-            return self._packed_call(x)
+            return self._packed(self._packed_call, x)
         if not self.transposed:
             return nn.functional.linear(x, self.weight, self.bias)
         lo, hi = self.split_span
