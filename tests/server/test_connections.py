@@ -3,6 +3,7 @@ keep-alive connection, and a client that leaves while sending its body is no err
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import socket
@@ -14,6 +15,7 @@ import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
 from plaserve.launcher import ServerProcess, free_port
@@ -59,6 +61,25 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return True
     except socket.timeout:
         return False
+
+
+@contextlib.contextmanager
+def app_server(app, **config) -> Iterator[uvicorn.Server]:
+    """``app`` served by uvicorn on a thread of this process, on a free port."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="critical", **config)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def open_fds(pid: int) -> int:
@@ -167,20 +188,8 @@ def test_an_exception_in_a_handler_never_resets_the_connection() -> None:
         raise RuntimeError("handler bug")
 
     app = ErrorGuard(Starlette(routes=[Route("/boom", boom)]))
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="critical", http=http_protocol(10.0)
-        )
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    with app_server(app, http=http_protocol(10.0)) as server:
+        conn = http.client.HTTPConnection(server.config.host, server.config.port, timeout=10)
         conn.request("GET", "/boom")
         first = conn.getresponse()
         first.read()
@@ -191,6 +200,22 @@ def test_an_exception_in_a_handler_never_resets_the_connection() -> None:
         assert first.status == second.status == 500
         assert conn.sock is sock and not second.will_close
         conn.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
+
+
+def test_headers_trickled_in_right_after_a_response_are_cut_off() -> None:
+    """The next request's first bytes, arriving while the timer armed at the connection's opening is
+    still pending (the first request's headers came in time), start a timer of their own: before, they
+    found that one armed, and when it fired for the first request, nothing watched the second."""
+
+    async def ok(request):
+        return PlainTextResponse("ok")
+
+    with app_server(Starlette(routes=[Route("/ok", ok)]), http=http_protocol(TIMEOUT)) as server:
+        address = (server.config.host, server.config.port)
+        with socket.create_connection(address, timeout=10) as sock:
+            sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            sock.sendall(b"GET /ok HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            start = time.monotonic()
+            assert closed_by_server(sock, within=TIMEOUT + 3)
+            assert time.monotonic() - start >= TIMEOUT * 0.8

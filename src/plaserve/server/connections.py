@@ -79,14 +79,23 @@ class _HeaderTimeoutProtocol(H11Protocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
+        # the request being served when the timer was armed: its successor's headers stop the timer
+        self._waiting_after: RequestResponseCycle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and self.cycle is not None and self.cycle.response_complete:
-            self._arm_header_timer()  # the first bytes of the next request on a kept-alive connection
+        cycle = self.cycle
+        if (
+            cycle is not None
+            and cycle.response_complete
+            and (self._header_timer is None or self._waiting_after is not cycle)
+        ):
+            # The first bytes of the next request on a kept-alive connection. A timer still armed
+            # from before the last request (its headers came in time) no longer counts for this one.
+            self._arm_header_timer()
         super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -98,14 +107,15 @@ class _HeaderTimeoutProtocol(H11Protocol):
     def _arm_header_timer(self) -> None:
         if self.transport.is_closing():
             return
+        if self._header_timer is not None:
+            self._header_timer.cancel()
         # The cycle now current: the request whose headers complete replaces it.
-        self._header_timer = self.loop.call_later(
-            self.header_timeout, self._on_header_timeout, self.cycle
-        )
+        self._waiting_after = self.cycle
+        self._header_timer = self.loop.call_later(self.header_timeout, self._on_header_timeout)
 
-    def _on_header_timeout(self, waiting_after: RequestResponseCycle | None) -> None:
+    def _on_header_timeout(self) -> None:
         self._header_timer = None
-        if self.cycle is not waiting_after:  # the request's headers arrived in time
+        if self.cycle is not self._waiting_after:  # the request's headers arrived in time
             return
         if not self.transport.is_closing():
             try:
