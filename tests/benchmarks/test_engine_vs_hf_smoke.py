@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+
+from plaserve.model import layers
 
 pytest.importorskip("transformers")
 
@@ -80,3 +83,22 @@ def test_sections_and_dtype_flags(load_benchmark, capsys, native_dtype: str) -> 
     table = capsys.readouterr().out
     assert "--sections decode" in table and native_dtype in table and "| 2 |" in table
     assert "Prefill throughput" not in table and "Mixed workload" not in table
+
+
+@pytest.mark.skipif(not layers._can_prepack(), reason="no oneDNN packed linear in this torch build")
+def test_the_matmul_peak_is_the_faster_way_to_multiply(load_benchmark, monkeypatch) -> None:
+    """On a fake clock every timed product takes 1 s, oneDNN's prepacked linear 0.5 s: the peak is the
+    prepacked one's, as plaserve.cost takes it (engine_speed.py's % of the peak)."""
+    bench = load_benchmark("engine_vs_hf")
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0  # 1 s from one read to the next: around each call
+        return now[0]
+
+    def packed_linear(x, packed, bias):
+        now[0] -= 0.5
+        return x
+
+    monkeypatch.setattr(layers, "_packed_linear", packed_linear)
+    assert bench.matmul_peak(8, 3, torch.float32, clock) == 2 * 8**3 / 0.5
