@@ -287,21 +287,17 @@ def matmul_peak(
     size: int, reps: int, dtype: torch.dtype, clock: Callable[[], float] = time.perf_counter
 ) -> float:
     """Best FLOP/s of a ``size``-square product in ``dtype`` over ``reps`` runs of each way (after one
-    warm-up), timed by ``clock``: torch's matmul, and oneDNN's prepacked linear where the plaserve
-    under test packs weights for it, the faster (as :func:`plaserve.cost.measure_peak_flops` takes the
-    peak; in float32 on an AVX-512 AMD EPYC the matmul, MKL's, runs at under half oneDNN's speed).
-    engine_speed.py runs this under older trees too: those without the helpers time the matmul alone."""
+    warm-up), timed by ``clock``: the faster of :func:`plaserve.cost.peak_ways` (torch's matmul and
+    oneDNN's prepacked linear, as ``measure_peak_flops`` takes the peak; in float32 on an AVX-512 AMD
+    EPYC the matmul, MKL's, runs at under half oneDNN's speed). engine_speed.py runs this under older
+    trees too: those without ``peak_ways`` time the matmul alone."""
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    out = torch.empty(size, size, dtype=dtype)
-    ways = [lambda: torch.matmul(a, b, out=out)]
     try:
-        from plaserve.model.layers import _can_prepack, _packed_linear, _reorder
-
-        if _can_prepack():
-            packed = _reorder(b)
-            ways.append(lambda: _packed_linear(a, packed, None))
-    except (ImportError, RuntimeError):  # an older tree, or a dtype oneDNN cannot pack here
-        pass
+        from plaserve.cost import peak_ways
+    except ImportError:  # a tree from before it: the matmul alone
+        ways = [lambda: a @ b]
+    else:
+        ways = peak_ways(a, b)
     best = float("inf")
     for way in ways:
         way()

@@ -123,9 +123,17 @@ def measure_peak_flops(
 
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    ways = [lambda: a @ b]
-    if device.type == "cpu":
-        # here, as torch above: the projections' own oneDNN calls
+    ways = peak_ways(a, b)
+    return max(_flop_rate(way, device, 2 * size**3, seconds / len(ways)) for way in ways)
+
+
+def peak_ways(a: "torch.Tensor", b: "torch.Tensor") -> list[Callable[[], object]]:
+    """The ways to multiply the square ``a`` by ``b`` whose fastest is the peak: torch's matmul and,
+    on CPU, oneDNN's prepacked linear where it packs ``b``'s dtype (benchmarks/engine_vs_hf.py times
+    these too)."""
+    ways: list[Callable[[], object]] = [lambda: a @ b]
+    if a.device.type == "cpu":
+        # here, not at the top: the router and simulator import this module without torch
         from plaserve.model.layers import _can_prepack, _packed_linear, _reorder
 
         try:
@@ -134,7 +142,7 @@ def measure_peak_flops(
             packed = None
         if packed is not None:
             ways.append(lambda: _packed_linear(a, packed, None))
-    return max(_flop_rate(way, device, 2 * size**3, seconds / len(ways)) for way in ways)
+    return ways
 
 
 def _flop_rate(

@@ -164,19 +164,6 @@ def prepacked_rows(dtype: torch.dtype) -> int:
     return rows
 
 
-def _by_rows(
-    call: Callable[[torch.Tensor], torch.Tensor], rows: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``call`` over at most ``rows`` rows of its input at a time, the results concatenated."""
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= rows:
-            return call(x)
-        return torch.cat([call(part) for part in x.split(rows)])
-
-    return run
-
-
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (``[out, in]``) in oneDNN's blocked layout for steps of about ``PACK_ROWS_HINT``
     rows."""
@@ -311,18 +298,22 @@ class Projection:
             # Steps of up to this many rows run in plaserve's packed linear, which, unlike oneDNN,
             # builds no kernel per row count (0: none do).
             self.shape_free_rows = 0
+            # The most rows one call of the packed copy takes (VNNI_CALL_ROWS)
+            self.call_rows = sys.maxsize
             if own is not None and own.fits(weight):
                 n = weight.shape[0]
-                calls = self.VNNI_CALL_ROWS if own.isa != "AMX" else sys.maxsize
                 if swiglu and bias is None and n % 32 == 0:
                     packed = own.pack(own.interleaved(weight.contiguous()))
-                    self._swiglu_call = _by_rows(lambda x: own.swiglu(x, packed, n), calls)
+                    self._swiglu_call = lambda x: own.swiglu(x, packed, n)
                 else:
                     packed = own.pack(weight.contiguous())
-                    self._packed_call = _by_rows(lambda x: own.linear(x, packed, bias, n), calls)
+                    self._packed_call = lambda x: own.linear(x, packed, bias, n)
                 self.packed = packed
                 if own.isa != "AMX":
-                    self.max_packed_rows = self.PACKED_EVERY_STEP
+                    self.max_packed_rows, self.call_rows = (
+                        self.PACKED_EVERY_STEP,
+                        self.VNNI_CALL_ROWS,
+                    )
                 self.shape_free_rows = self.max_packed_rows
             elif on_cpu and (rows := prepacked_rows(weight.dtype)):
                 packed = _reorder(weight)
@@ -371,11 +362,16 @@ class Projection:
     def _packed(
         self, call: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     ) -> torch.Tensor:
-        """``call`` (a product by the packed copy) on ``x``; where no plain weight could take it
-        instead, ``x`` as the packed copy takes it first: ``[rows, in]``, each row contiguous."""
-        if x.dim() == 2 and x.stride(-1) == 1:
+        """``call`` (a product by the packed copy) on ``x``, in calls of at most ``call_rows`` rows;
+        where no plain weight could take it instead, ``x`` as the packed copy takes it first:
+        ``[rows, in]``, each row contiguous."""
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return self._packed(call, x.reshape(-1, x.shape[-1]).contiguous()).view(
+                *x.shape[:-1], -1
+            )
+        if x.shape[0] <= self.call_rows:
             return call(x)
-        return call(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
+        return torch.cat([call(part) for part in x.split(self.call_rows)])
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this gate-and-up projection (built with ``swiglu``) in one pass,
