@@ -265,7 +265,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> t
 
 @needs_packed
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 40, 130])
-@pytest.mark.parametrize("shape", [(80, 96), (768, 512)])
+@pytest.mark.parametrize("shape", [(80, 96), (768, 512), (112, 3104)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_one_rounding_of_the_float32_product(rows, shape, bias):
     """Every row count (a partial last tile of rows, several tiles), outputs in groups of 64 and a

@@ -11,9 +11,10 @@
 // The layout: [N/16][K/32][16 K-pairs][16 outputs][2], flat. A 16 x 64-byte tile of it is AMX's B
 // operand; each 64-byte row is one vdpbf16ps operand (16 outputs x one K-pair). Each block of 16
 // outputs' rows is contiguous, so a thread streams its outputs' weights in order. Each thread takes
-// groups of 4 blocks (64 outputs) and runs down K for each slice of rows of x (AMX: 16 rows, the A
-// tile, into C tiles 0-3; AVX512-BF16: 8 rows into 8 x 2 or 4 x 4 vector accumulators): the weights
-// cross memory once a step whatever the row count up to that slice, and from cache after.
+// groups of 4 blocks (64 outputs; 2 in some decode-sized calls, see kStreamRows) and runs down K for
+// each slice of rows of x (AMX: 16 rows, the A tile, into C tiles 0-3; AVX512-BF16: 8 rows into 8 x 2
+// or 4 x 4 vector accumulators): the weights cross memory once a step whatever the row count up to
+// that slice, and from cache after.
 // Products accumulate in float32 and are rounded to bfloat16 once, with the bias added before.
 //
 // SwiGLU (`swiglu`): the fused gate and up projections of an MLP, packed with their 16-output blocks
@@ -42,7 +43,7 @@
 
 namespace {
 
-constexpr int kGroup = 4;  // 16-output blocks a thread takes at a time
+constexpr int kGroup = 4;  // 16-output blocks a thread takes at a time (AVX512-BF16: at most)
 
 // The operands of one call: x's rows at a stride, the packed weight, the bias (or null), the output;
 // `swiglu`: the weight is SwiGLU's interleaved gate and up, and the output silu(gate) * up, n / 2 wide.
@@ -156,10 +157,31 @@ void amx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
 constexpr int64_t kPrefetchPairs = 64;
 constexpr int kSliceRows = 8;  // rows of x an AVX512-BF16 tile takes
 
+// Calls of kSliceRows + 1 to kStreamRows rows (decode batches) stream the next group's weights: in
+// such a call a group's first row slice waited on memory for its weights while the later slices
+// multiplied them from cache, one after the other (a qwen05-sized step of 32 rows took the weights'
+// time from memory plus 3/4 of its arithmetic). A thread now fetches its next group's weights into L2,
+// a few lines at each K-pair step of every slice of the current group, so the two overlap; and where
+// two groups of kGroup blocks would not fit in L2 beside each other (kGroupBytes each: an MLP's down
+// projection), its groups are of 2 blocks. Larger calls, whose weights' time is a small part of
+// theirs, run as before (smaller groups re-read x more often).
+constexpr int64_t kStreamRows = 128;
+constexpr int64_t kGroupBytes = 384 << 10;
+
+// The weights a thread multiplies next, fetched into L2 `lines` 64-byte lines at a K-pair step.
+struct Stream {
+  const char* next = nullptr;
+  const char* end = nullptr;
+  int64_t lines = 0;
+  void step() {
+    for (int64_t i = 0; i < lines && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
 // R rows of x (from row r0) times output blocks [nb0, nb0 + G): R x G float32 vectors of sums, one
 // vdpbf16ps per K-pair each, kept in registers down the whole of K.
 template <int R, int G>
-void dot_tile(const Operands& o, int64_t r0, int64_t nb0) {
+void dot_tile(const Operands& o, int64_t r0, int64_t nb0, Stream& stream) {
   __m512 acc[R][G];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -167,6 +189,7 @@ void dot_tile(const Operands& o, int64_t r0, int64_t nb0) {
   const uint16_t* w = o.w + nb0 * o.block_step();
   const int64_t pairs = o.k / 2, step = o.block_step();
   for (int64_t p = 0; p < pairs; ++p) {
+    stream.step();
     __m512bh wv[G];
     for (int g = 0; g < G; ++g) {
       const uint16_t* row = w + g * step + p * 32;
@@ -189,32 +212,58 @@ void dot_tile(const Operands& o, int64_t r0, int64_t nb0) {
     for (int g = 0; g < G; ++g) store_row(o, r0 + r, nb0 + g, acc[r][g]);
 }
 
-// R rows from r0 times `blocks` output blocks from nb0, G blocks a tile: at most 16 accumulators, so
-// that the weight vectors and the broadcast row of x stay in registers beside them. Pairs of blocks
+// The blocks of one tile for R rows: at most 16 accumulators, so that the weight vectors and the
+// broadcast row of x stay in registers beside them.
+constexpr int tile_blocks(int64_t rows) { return rows <= 4 ? 4 : 2; }
+
+// R rows from r0 times `blocks` output blocks from nb0, tile_blocks(R) blocks a tile. Pairs of blocks
 // stay in one tile (SwiGLU's gate and up: `blocks` and nb0 are even there).
 template <int R>
-void dot_rows(const Operands& o, int64_t r0, int64_t nb0, int blocks) {
-  constexpr int G = R <= 4 ? 4 : 2;
+void dot_rows(const Operands& o, int64_t r0, int64_t nb0, int blocks, Stream& stream) {
+  constexpr int G = tile_blocks(R);
   int b = 0;
-  for (; b + G <= blocks; b += G) dot_tile<R, G>(o, r0, nb0 + b);
+  for (; b + G <= blocks; b += G) dot_tile<R, G>(o, r0, nb0 + b, stream);
   if constexpr (G == 4)
-    if (b + 2 <= blocks) dot_tile<R, 2>(o, r0, nb0 + b), b += 2;
-  for (; b < blocks; ++b) dot_tile<R, 1>(o, r0, nb0 + b);
+    if (b + 2 <= blocks) dot_tile<R, 2>(o, r0, nb0 + b, stream), b += 2;
+  for (; b < blocks; ++b) dot_tile<R, 1>(o, r0, nb0 + b, stream);
 }
 
-using DotRows = void (*)(const Operands&, int64_t, int64_t, int);
+// The K-pair steps dot_rows takes for `rows` rows of `blocks` blocks.
+int64_t dot_steps(int64_t rows, int blocks, int64_t pairs) {
+  const int g = tile_blocks(rows);
+  return (blocks / g + (g == 4 && blocks % 4 >= 2) + blocks % 2) * pairs;
+}
+
+using DotRows = void (*)(const Operands&, int64_t, int64_t, int, Stream&);
 constexpr DotRows kDotRows[kSliceRows] = {&dot_rows<1>, &dot_rows<2>, &dot_rows<3>, &dot_rows<4>,
                                           &dot_rows<5>, &dot_rows<6>, &dot_rows<7>, &dot_rows<8>};
 
-// Output blocks [first, last) of kGroup each, every row of x, in vdpbf16ps.
-void avx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
-  const int64_t n_blocks = o.n / 16;
-  for (int64_t g = first; g < last; ++g) {
-    const int64_t nb0 = g * kGroup;
-    const int blocks = static_cast<int>(std::min<int64_t>(kGroup, n_blocks - nb0));
+// Groups [first_group, last_group) of `group` output blocks each, every row of x, in vdpbf16ps.
+void avx_groups(const Operands& o, int64_t m, int64_t first_group, int64_t last_group, int group) {
+  const int64_t n_blocks = o.n / 16, pairs = o.k / 2;
+  const bool streams = m > kSliceRows && m <= kStreamRows;
+  for (int64_t g = first_group; g < last_group; ++g) {
+    const int64_t nb0 = g * group;
+    const int blocks = static_cast<int>(std::min<int64_t>(group, n_blocks - nb0));
+    Stream stream;
+    if (streams && g + 1 < last_group) {
+      const int64_t next_lines = std::min<int64_t>(group, n_blocks - nb0 - group) * pairs;
+      int64_t steps = 0;
+      for (int64_t r0 = 0; r0 < m; r0 += kSliceRows)
+        steps += dot_steps(std::min<int64_t>(kSliceRows, m - r0), blocks, pairs);
+      stream.next = reinterpret_cast<const char*>(o.w + (nb0 + group) * o.block_step());
+      stream.end = stream.next + next_lines * 64;
+      stream.lines = (next_lines + steps - 1) / steps;
+    }
     for (int64_t r0 = 0; r0 < m; r0 += kSliceRows)
-      kDotRows[std::min<int64_t>(kSliceRows, m - r0) - 1](o, r0, nb0, blocks);
+      kDotRows[std::min<int64_t>(kSliceRows, m - r0) - 1](o, r0, nb0, blocks, stream);
   }
+}
+
+// Blocks a group (AVX512-BF16; see kStreamRows).
+int avx_group(int64_t m, int64_t k) {
+  const bool streams = m > kSliceRows && m <= kStreamRows;
+  return streams && kGroup * k * 32 > kGroupBytes ? 2 : kGroup;
 }
 
 // Which instructions `linear` multiplies with here.
@@ -276,13 +325,16 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optiona
                    n,
                    k,
                    swiglu};
-  const int64_t groups = (n / 16 + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
 #ifdef PLASERVE_AMX
-    if (amx()) return amx_groups(o, m, first, last);
+  if (amx()) {
+    at::parallel_for(0, (n / 16 + kGroup - 1) / kGroup, 1,
+                     [&](int64_t first, int64_t last) { amx_groups(o, m, first, last); });
+    return out;
+  }
 #endif
-    avx_groups(o, m, first, last);
-  });
+  const int group = avx_group(m, k);
+  at::parallel_for(0, (n / 16 + group - 1) / group, 1,
+                   [&](int64_t first, int64_t last) { avx_groups(o, m, first, last, group); });
   return out;
 }
 
