@@ -11,7 +11,7 @@
 // The layout: [N/16][K/32][16 K-pairs][16 outputs][2], flat. A 16 x 64-byte tile of it is AMX's B
 // operand; each 64-byte row is one vdpbf16ps operand (16 outputs x one K-pair). Each block of 16
 // outputs' rows is contiguous, so a thread streams its outputs' weights in order. Each thread takes
-// groups of 4 blocks (64 outputs; 2 in some decode-sized calls, see kStreamRows) and runs down K for
+// groups of 4 blocks (64 outputs; 2 in some decode-sized calls, see kSmallGroupRows) and runs down K for
 // each slice of rows of x (AMX: 16 rows, the A tile, into C tiles 0-3; AVX512-BF16: 8 rows into 8 x 2
 // or 4 x 4 vector accumulators): the weights cross memory once a step whatever the row count up to
 // that slice, and from cache after.
@@ -157,15 +157,15 @@ void amx_groups(const Operands& o, int64_t m, int64_t first, int64_t last) {
 constexpr int64_t kPrefetchPairs = 64;
 constexpr int kSliceRows = 8;  // rows of x an AVX512-BF16 tile takes
 
-// Calls of kSliceRows + 1 to kStreamRows rows (decode batches) stream the next group's weights: in
-// such a call a group's first row slice waited on memory for its weights while the later slices
-// multiplied them from cache, one after the other (a qwen05-sized step of 32 rows took the weights'
-// time from memory plus 3/4 of its arithmetic). A thread now fetches its next group's weights into L2,
-// a few lines at each K-pair step of every slice of the current group, so the two overlap; and where
-// two groups of kGroup blocks would not fit in L2 beside each other (kGroupBytes each: an MLP's down
-// projection), its groups are of 2 blocks. Larger calls, whose weights' time is a small part of
-// theirs, run as before (smaller groups re-read x more often).
-constexpr int64_t kStreamRows = 128;
+// Calls of more than one row slice stream the next group's weights: in such a call a group's first
+// slice waited on memory for its weights while the later slices multiplied them from cache, one after
+// the other (a qwen05-sized decode step of 32 rows took the weights' time from memory plus 3/4 of its
+// arithmetic). A thread now fetches its next group's weights into L2, a few lines at each K-pair step
+// of every slice of the current group, so the two overlap. In calls of up to kSmallGroupRows rows,
+// where the weights' time is a large part of the call's, a group is 2 blocks where two of kGroup
+// blocks would not fit in L2 side by side (kGroupBytes each: an MLP's down projection); larger calls
+// keep kGroup, as each group reads all of x again.
+constexpr int64_t kSmallGroupRows = 128;
 constexpr int64_t kGroupBytes = 384 << 10;
 
 // The weights a thread multiplies next, fetched into L2 `lines` 64-byte lines at a K-pair step.
@@ -241,12 +241,11 @@ constexpr DotRows kDotRows[kSliceRows] = {&dot_rows<1>, &dot_rows<2>, &dot_rows<
 // Groups [first_group, last_group) of `group` output blocks each, every row of x, in vdpbf16ps.
 void avx_groups(const Operands& o, int64_t m, int64_t first_group, int64_t last_group, int group) {
   const int64_t n_blocks = o.n / 16, pairs = o.k / 2;
-  const bool streams = m > kSliceRows && m <= kStreamRows;
   for (int64_t g = first_group; g < last_group; ++g) {
     const int64_t nb0 = g * group;
     const int blocks = static_cast<int>(std::min<int64_t>(group, n_blocks - nb0));
-    Stream stream;
-    if (streams && g + 1 < last_group) {
+    Stream stream;  // none in a call of one slice: all of it waits on memory (streaming was slower)
+    if (m > kSliceRows && g + 1 < last_group) {
       const int64_t next_lines = std::min<int64_t>(group, n_blocks - nb0 - group) * pairs;
       int64_t steps = 0;
       for (int64_t r0 = 0; r0 < m; r0 += kSliceRows)
@@ -260,10 +259,9 @@ void avx_groups(const Operands& o, int64_t m, int64_t first_group, int64_t last_
   }
 }
 
-// Blocks a group (AVX512-BF16; see kStreamRows).
+// Blocks a group (AVX512-BF16; see kSmallGroupRows).
 int avx_group(int64_t m, int64_t k) {
-  const bool streams = m > kSliceRows && m <= kStreamRows;
-  return streams && kGroup * k * 32 > kGroupBytes ? 2 : kGroup;
+  return m > kSliceRows && m <= kSmallGroupRows && kGroup * k * 32 > kGroupBytes ? 2 : kGroup;
 }
 
 // Which instructions `linear` multiplies with here.
