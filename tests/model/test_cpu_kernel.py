@@ -52,8 +52,12 @@ def _assert_equals_reference(q, k, v, q_lens, k_lens, scale):
 @needs_kernel
 @pytest.mark.parametrize(
     "heads, kv_heads, dim",
-    # GQA groups of 1-32: decode rows of groups up to 16 read K/V in place on AMX, larger ones pack
-    [(4, 2, 16), (8, 2, 32), (8, 2, 64), (14, 2, 64), (4, 4, 128), (8, 1, 128), (32, 1, 64)],
+    # GQA groups of 1-32: decode rows of groups up to 16 read K/V in place on AMX, larger ones pack;
+    # without AMX, decode rows of groups 5-7 end in value tiles of 5-7 rows
+    [
+        *[(4, 2, 16), (8, 2, 32), (8, 2, 64), (14, 2, 64), (4, 4, 128), (8, 1, 128), (32, 1, 64)],
+        *[(10, 2, 16), (12, 2, 64), (14, 2, 32)],
+    ],
 )
 @pytest.mark.parametrize(
     "lens",
