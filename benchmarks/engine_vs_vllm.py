@@ -17,6 +17,9 @@ figures the mean of the rounds' replays:
 * **decode** tokens/s at batch B: B requests at once, 16-token prompts, ``decode_tokens`` outputs each;
   every output token over the time from the batch's arrival to its last token (best of
   ``decode_reps``);
+* **decode at a long context**: ``context_batch`` requests of ``context_prompt`` tokens at once; the
+  tokens streamed after the last first token over the time to the last token (the decode of a batch
+  that reads all of its prompts' K/V every step, the prefills left out);
 * **burst**: every request of the trace slice at once; wall time, and the burst's arithmetic
   (:func:`burst_flops`) over that time as a share of the matmul peak: the targets line says how long
   that arithmetic takes at the peak, a floor no engine that computes the model goes below;
@@ -161,6 +164,10 @@ class Sizes:
     decode_prompt: int = 16
     decode_tokens: int = 64
     decode_reps: int = 2
+    # decode at a long context: this many requests of context_prompt tokens at once
+    context_batch: int = 16
+    context_prompt: int = 2048
+    context_tokens: int = 64
     trace: str = "/work/shared/traces/azure_conv_2023.csv"
     trace_start: int = 840
     trace_requests: int = 60
@@ -191,6 +198,9 @@ QUICK = Sizes(
     decode_prompt=8,
     decode_tokens=6,
     decode_reps=1,
+    context_batch=2,
+    context_prompt=48,
+    context_tokens=6,
     trace_requests=10,
     length_scale=1 / 16,
     max_output=6,
@@ -460,6 +470,34 @@ def measure_decode(url: str, sizes: Sizes, seed: int = 3000) -> dict[str, float]
     return out
 
 
+def decode_after_prefills(result: Any) -> float | None:
+    """Tokens/s streamed after the last request's first token, to the last token: a batch's decode
+    with every prompt in its context, the prefills left out. A stream event may carry several tokens:
+    each request's tokens are spread evenly over its events. None if nothing came after."""
+    start = max(r.arrival + r.ttft for r in result.records)
+    end = max(r.arrival + r.e2e for r in result.records)
+    after = 0.0
+    for r in result.records:
+        t, per_event = r.arrival + r.ttft, r.output_tokens / (1 + len(r.tbts))
+        for gap in r.tbts:
+            t += gap
+            after += per_event if t > start else 0.0
+    return after / (end - start) if after and end > start else None
+
+
+def measure_context_decode(url: str, sizes: Sizes, seed: int = 3500) -> float | None:
+    """Decode tokens/s at a long context (:func:`decode_after_prefills`): ``context_batch`` requests
+    of ``context_prompt``-token prompts at once, ``context_tokens`` outputs each. Every step then
+    reads the whole batch's K/V, which the 16-token prompts of :func:`measure_decode` leave out."""
+    reqs = [TraceRequest(0.0, sizes.context_prompt, sizes.context_tokens)] * sizes.context_batch
+    rate = decode_after_prefills(replay(url, reqs, seed))
+    log(
+        f"  decode B={sizes.context_batch} at a {sizes.context_prompt}-token context: "
+        f"{_num(rate)} tok/s"
+    )
+    return rate
+
+
 def trace_summary(result: Any) -> dict[str, Any]:
     """TTFT percentiles by class, the busy fraction and the wall time of one trace replay."""
     s = summarize(result.records, result.duration_s)
@@ -551,6 +589,7 @@ def measure_throughput(
     out: dict[str, Any] = {
         "prefill_tok_s": measure_prefill(url, sizes, 2000 + fresh),
         "decode_tok_s": measure_decode(url, sizes, 3000 + fresh),
+        "context_decode_tok_s": measure_context_decode(url, sizes, 3500 + fresh),
     }
     burst = [replace(r, arrival=0.0) for r in slice_]
     out["burst_wall_s"] = replay(url, burst, 4000 + fresh).duration_s
@@ -602,6 +641,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         kind: {k: max(r[kind][k] for r in rounds) for k in rounds[0][kind]}
         for kind in ("prefill_tok_s", "decode_tok_s")
     }
+    context = [r["context_decode_tok_s"] for r in rounds if r.get("context_decode_tok_s")]
     traces = [r["trace"] for r in rounds]
     mean = {
         k: sum(t[k] for t in traces) / len(traces)
@@ -611,6 +651,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
     return {
         **best,
+        "context_decode_tok_s": max(context, default=None),
         "burst_wall_s": min(r["burst_wall_s"] for r in rounds),
         "trace": {**traces[0], **mean},
         "rounds": rounds,
@@ -857,6 +898,14 @@ def table_rows(
     for b in sizes["decode_batches"]:
         rows.append(
             (f"decode tok/s, batch {b}", {s: r["decode_tok_s"][str(b)] for s, r in ok.items()})
+        )
+    if "context_batch" in sizes:  # runs before 2026-12-06 measured no decode at a long context
+        rows.append(
+            (
+                f"decode tok/s, batch {sizes['context_batch']} at a "
+                f"{sizes['context_prompt']}-token context",
+                {s: r.get("context_decode_tok_s") for s, r in ok.items()},
+            )
         )
     rows.append((f"burst of {n}: wall s", {s: r["burst_wall_s"] for s, r in ok.items()}))
     rows.append((f"burst of {n}: requests/s", {s: n / r["burst_wall_s"] for s, r in ok.items()}))

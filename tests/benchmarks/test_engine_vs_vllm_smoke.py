@@ -11,9 +11,12 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+
+from plaserve.workload.report import RequestRecord
 
 pytest.importorskip("transformers")
 
@@ -40,6 +43,27 @@ def test_burst_flops_are_prefills_and_decode_steps(load_benchmark) -> None:
     per_key = 4 * 4 * 16 * 2
     three = bench.burst_flops(cfg, [bench.TraceRequest(0.0, 10, 3)])
     assert three == bench.prefill_flops(cfg, 10) + 2 * step + per_key * (11 + 12)
+
+
+def test_decode_after_prefills_counts_only_what_streams_once_every_prompt_is_in(
+    load_benchmark,
+) -> None:
+    """Two requests: the second's first token at 2 s. Only tokens streamed after it count, over the
+    time from it to the last token; an event of several tokens counts for each of them."""
+    bench = load_benchmark("engine_vs_vllm")
+    record = RequestRecord
+
+    def result(*records: RequestRecord) -> SimpleNamespace:
+        return SimpleNamespace(records=list(records))
+
+    # first: tokens at 1.0, 1.5, 2.5, 3.5 (4 tokens, 4 events); second: at 2.0, 3.0 then 4.0 (3 events,
+    # 6 tokens: 2 an event)
+    first = record("short", 8, 4, arrival=0.0, ttft=1.0, e2e=3.5, tbts=[0.5, 1.0, 1.0])
+    second = record("short", 8, 6, arrival=0.5, ttft=1.5, e2e=3.5, tbts=[1.0, 1.0])
+    assert bench.decode_after_prefills(result(first, second)) == (2 + 2 * 2) / (4.0 - 2.0)
+    # nothing after the last first token
+    alone = record("short", 8, 1, arrival=0.0, ttft=1.0, e2e=1.0)
+    assert bench.decode_after_prefills(result(alone)) is None
 
 
 def test_ttft_floor_is_a_lower_bound_and_tight_where_it_can_be(load_benchmark) -> None:
@@ -107,6 +131,7 @@ def test_plaserve_side_has_every_row(
         assert "error" not in r, r.get("error")
         assert set(r["prefill_tok_s"]) == {"16", "64"} and set(r["decode_tok_s"]) == {"1", "3"}
         assert min(r["prefill_tok_s"].values()) > 0 and min(r["decode_tok_s"].values()) > 0
+        assert r["context_decode_tok_s"] == max(x["context_decode_tok_s"] for x in r["rounds"]) > 0
         assert r["burst_wall_s"] > 0 and 0 < r["trace"]["busy"] <= 1
         assert r["trace"]["counts"]["short"] + r["trace"]["counts"]["long"] == 6
         assert r["trace"]["short_p50_ms"] > 0 and len(r["loadavg_start"]) == 3
@@ -140,6 +165,7 @@ def test_plaserve_side_has_every_row(
         "prefill at L = 64, % of matmul peak",
         "decode tok/s, batch 1",
         "decode tok/s, batch 3",
+        "decode tok/s, batch 2 at a 48-token context",
         "burst of 6: wall s",
         "burst of 6: requests/s",
         "burst of 6: % of matmul peak",
