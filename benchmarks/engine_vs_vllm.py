@@ -497,9 +497,18 @@ def measure_context_decode(url: str, sizes: Sizes, seed: int = 3500) -> float | 
     them (pla's 512-token chunks on qwen05) had finished a third of the requests before the last one's
     first token: the rate after it was that of a smaller batch."""
     prompts = [TraceRequest(0.0, sizes.context_prompt, 1)] * sizes.context_batch
-    replay(url, prompts, seed)
+    prefills = replay(url, prompts, seed).duration_s
     reqs = [replace(r, output_tokens=sizes.context_tokens) for r in prompts]
-    rate = decode_after_prefills(replay(url, reqs, seed))
+    result = replay(url, reqs, seed)
+    rate = decode_after_prefills(result)
+    last_first = max(r.arrival + r.ttft for r in result.records)
+    # a cache too small for the batch's prompts: they were computed again (0.5 s: toy sizes' first
+    # tokens come at the pace of the HTTP round trips, cached or not)
+    if last_first > max(prefills / 2, 0.5):
+        log(
+            f"  warning: the last first token came {last_first:.1f} s in (the prefills alone took "
+            f"{prefills:.1f} s): the prompts' K/V was not all in the prefix cache"
+        )
     log(
         f"  decode B={sizes.context_batch} at a {sizes.context_prompt}-token context: "
         f"{_num(rate)} tok/s"

@@ -66,6 +66,34 @@ def test_decode_after_prefills_counts_only_what_streams_once_every_prompt_is_in(
     assert bench.decode_after_prefills(result(alone)) is None
 
 
+def test_context_decode_sends_the_prompts_twice_and_warns_when_they_were_computed_again(
+    load_benchmark, monkeypatch, capsys
+) -> None:
+    """The same prompts (same seed) first for one token, then for the measured decode; a measured
+    pass whose first tokens come as late as the prefills did means the prefix cache lost them."""
+    bench = load_benchmark("engine_vs_vllm")
+    sizes = dataclasses.replace(bench.QUICK, context_batch=2, context_prompt=48, context_tokens=3)
+    calls = []
+
+    def fake_replay(url: str, requests: list, seed: int, first_token_at: float) -> SimpleNamespace:
+        calls.append(([(r.prompt_tokens, r.output_tokens) for r in requests], seed))
+        if len(calls) % 2:  # the prefills: 10 s
+            return SimpleNamespace(duration_s=10.0, records=[])
+        record = RequestRecord(
+            "short", 48, 3, arrival=0.0, ttft=first_token_at, e2e=first_token_at + 2
+        )
+        record.tbts = [1.0, 1.0]
+        return SimpleNamespace(duration_s=first_token_at + 2, records=[record, record])
+
+    monkeypatch.setattr(bench, "replay", lambda u, r, s: fake_replay(u, r, s, 0.2))
+    assert bench.measure_context_decode("http://x", sizes, seed=7) == 4 / 2.0
+    assert calls == [([(48, 1)] * 2, 7), ([(48, 3)] * 2, 7)]
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(bench, "replay", lambda u, r, s: fake_replay(u, r, s, 9.0))
+    bench.measure_context_decode("http://x", sizes, seed=7)
+    assert "not all in the prefix cache" in capsys.readouterr().err
+
+
 def test_ttft_floor_is_a_lower_bound_and_tight_where_it_can_be(load_benchmark) -> None:
     """Three 1 s prefills arriving together: one schedule gives TTFTs 1, 2, 3 s and none does better.
     Staggered arrivals: serving in arrival order meets the bound. Random instances: no single-queue
