@@ -59,6 +59,25 @@ def test_scheduler_flags_reach_the_scheduler_config() -> None:
     assert defaults.long_chunk_size is None  # pla takes it from its cost model
 
 
+def test_prefix_caching_flag_reaches_the_engine() -> None:
+    """On by default; ``--no-enable-prefix-caching`` (vLLM's flag) turns it off in the built engine:
+    the same prompt twice then finds nothing cached."""
+    from plaserve import SamplingParams
+
+    assert engine_config_from_args(serve_args([])).enable_prefix_caching
+    assert engine_config_from_args(serve_args(["--enable-prefix-caching"])).enable_prefix_caching
+    small = ["--max-model-len", "64", "--kv-cache-memory", "4MiB"]
+    for flags, cached in (([], True), (["--no-enable-prefix-caching"], False)):
+        engine = build_engine(serve_args([*small, *flags]), None)
+        assert engine.load_report()["kv"]["prefix_caching"] is cached
+        prompt = list(range(10, 50))  # 40 tokens: two full 16-token blocks to reuse
+        for _ in range(2):
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+            while engine.has_unfinished():
+                outputs = engine.step()
+        assert (outputs[0].num_cached_tokens > 0) is cached
+
+
 @pytest.mark.parametrize(
     "flag", ["--late-yield", "--max-consecutive-short", "--ttft-slo-floor", "--long-chunk-size"]
 )

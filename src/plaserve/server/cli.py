@@ -96,6 +96,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the K/V of prompts' shared prefixes (default on; --no-enable-prefix-caching "
+        "computes every prompt whole, as vllm serve's flag of that name)",
+    )
+    p.add_argument(
         "--no-online-refit",
         action="store_true",
         help="keep the cost model fixed (default: refit it on the engine's own prefill timings)",
@@ -246,6 +253,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kwargs["max_num_seqs"] = args.max_num_seqs
     if args.profile is not None:
         kwargs["profile"] = args.profile
+    if args.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     if args.no_online_refit:
         kwargs["online_refit"] = False
     if args.no_compile:
