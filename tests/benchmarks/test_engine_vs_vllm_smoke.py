@@ -51,18 +51,17 @@ def test_decode_after_prefills_counts_only_what_streams_once_every_prompt_is_in(
     """Two requests: the second's first token at 2 s. Only tokens streamed after it count, over the
     time from it to the last token; an event of several tokens counts for each of them."""
     bench = load_benchmark("engine_vs_vllm")
-    record = RequestRecord
 
     def result(*records: RequestRecord) -> SimpleNamespace:
         return SimpleNamespace(records=list(records))
 
     # first: tokens at 1.0, 1.5, 2.5, 3.5 (4 tokens, 4 events); second: at 2.0, 3.0 then 4.0 (3 events,
     # 6 tokens: 2 an event)
-    first = record("short", 8, 4, arrival=0.0, ttft=1.0, e2e=3.5, tbts=[0.5, 1.0, 1.0])
-    second = record("short", 8, 6, arrival=0.5, ttft=1.5, e2e=3.5, tbts=[1.0, 1.0])
+    first = RequestRecord("short", 8, 4, arrival=0.0, ttft=1.0, e2e=3.5, tbts=[0.5, 1.0, 1.0])
+    second = RequestRecord("short", 8, 6, arrival=0.5, ttft=1.5, e2e=3.5, tbts=[1.0, 1.0])
     assert bench.decode_after_prefills(result(first, second)) == (2 + 2 * 2) / (4.0 - 2.0)
     # nothing after the last first token
-    alone = record("short", 8, 1, arrival=0.0, ttft=1.0, e2e=1.0)
+    alone = RequestRecord("short", 8, 1, arrival=0.0, ttft=1.0, e2e=1.0)
     assert bench.decode_after_prefills(result(alone)) is None
 
 
