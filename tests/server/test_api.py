@@ -534,6 +534,27 @@ def test_tokenize_counts_like_usage(client: openai.OpenAI, server) -> None:
     assert resp["max_model_len"] == 2048
 
 
+def test_detokenize_inverts_tokenize(server, offline: LLM) -> None:
+    """``/detokenize`` (vLLM's) gives back the text of ``/tokenize``'s ids, special tokens kept (the
+    chat template's markers here), as the tokenizer decodes them."""
+    messages = [{"role": "user", "content": PROMPT}]
+    for body in ({"prompt": PROMPT}, {"messages": messages}):
+        ids = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+        resp = httpx.post(f"{server.url}/detokenize", json={"tokens": ids})
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["prompt"]
+        assert text == offline.get_tokenizer().decode(ids, skip_special_tokens=False)
+        assert PROMPT in text
+    assert "<|im_start|>" in text  # the chat template's markers, not skipped
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+def test_version(server) -> None:
+    import plaserve
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": plaserve.__version__}
+
+
 def test_metrics_parse_and_count_requests(client: openai.OpenAI, server) -> None:
     client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=4)
     families = {

@@ -151,6 +151,11 @@ CASES = [
         413,
     ),
     ("tokenize neither field", "/tokenize", {}, 422),
+    ("detokenize without tokens", "/detokenize", {}, 422),
+    ("detokenize tokens not ids", "/detokenize", {"tokens": ["a"]}, 422),
+    ("detokenize id outside the vocabulary", "/detokenize", {"tokens": [1, 10**9]}, 400),
+    ("detokenize negative id", "/detokenize", {"tokens": [-1]}, 400),
+    ("detokenize unknown model", "/detokenize", {"model": "x", "tokens": [1]}, 404),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
 ]
 

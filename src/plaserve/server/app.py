@@ -3,7 +3,8 @@
 Routes (docs/SERVER.md has the full list with status codes):
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``stream: true``)
-* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``
+* ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``,
+  ``GET /version``
 * ``GET /load``: the engine's load report, the signal plaserve's router balances on
 * ``GET /server_info``, ``GET /model_info``, ``GET /get_load`` (and ``/get_server_info``,
   ``/get_model_info``): what sglang-router reads from a worker
@@ -46,6 +47,7 @@ from plaserve.server.prompts import (
     ModelLimits,
     check_logit_bias,
     check_prompt,
+    check_token_ids,
     encode_chat,
     encode_prompt,
 )
@@ -54,6 +56,7 @@ from plaserve.server.protocol import (
     StreamOptions,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
     parse_json_object,
     parse_tokenize_request,
 )
@@ -500,6 +503,18 @@ class _Handlers:
             {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids}
         )
 
+    async def detokenize(self, request: Request) -> Response:
+        req = parse_detokenize_request(await self._body(request))
+        self._check_model(req.model)
+        check_token_ids(req.tokens, self.limits, "tokens")
+        # Special tokens kept, as vLLM's /detokenize keeps them: the inverse of /tokenize.
+        return JSONResponse(
+            {"prompt": self.tokenizer.decode(list(req.tokens), skip_special_tokens=False)}
+        )
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": plaserve.__version__})
+
     # --- health and load -----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         if not self.loop.alive:
@@ -624,6 +639,8 @@ def build_app(
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/tokenize", h.tokenize, methods=["POST"]),
+        Route("/detokenize", h.detokenize, methods=["POST"]),
+        Route("/version", h.version, methods=["GET"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
         Route("/load", h.load, methods=["GET"]),

@@ -7,6 +7,7 @@ own status code at once and never occupies the engine. The engine repeats the ba
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,13 +72,7 @@ def check_prompt(token_ids: list[int], limits: ModelLimits, max_tokens: int | No
     """
     if not token_ids:
         raise ApiError(400, "prompt is empty", param="prompt")
-    bad = next((t for t in token_ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise ApiError(
-            400,
-            f"token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
-            param="prompt",
-        )
+    check_token_ids(token_ids, limits, "prompt")
     n, limit = len(token_ids), limits.max_model_len
     if n >= limit:
         raise ApiError(
@@ -103,10 +98,15 @@ def check_prompt(token_ids: list[int], limits: ModelLimits, max_tokens: int | No
 
 def check_logit_bias(bias: dict[int, float] | None, limits: ModelLimits) -> None:
     """A logit bias on a token the model does not have is a 400 (as vLLM answers)."""
-    bad = next((t for t in bias or {} if not 0 <= t < limits.vocab_size), None)
+    check_token_ids(bias or {}, limits, "logit_bias", "logit_bias token id")
+
+
+def check_token_ids(
+    ids: Iterable[int], limits: ModelLimits, param: str, what: str = "token id"
+) -> None:
+    """An id outside the model's vocabulary is a 400 that names it and the field ``param``."""
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise ApiError(
-            400,
-            f"logit_bias token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
-            param="logit_bias",
+            400, f"{what} {bad} is outside the vocabulary [0, {limits.vocab_size})", param=param
         )

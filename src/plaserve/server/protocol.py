@@ -82,6 +82,14 @@ class TokenizeRequest:
     add_generation_prompt: bool
 
 
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """``POST /detokenize`` (vLLM's shape): token ids back to text, the inverse of ``/tokenize``."""
+
+    model: str | None
+    tokens: tuple[int, ...]
+
+
 # --- the JSON body ------------------------------------------------------------------------------
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; JSON that is malformed or outside the limits of
@@ -589,6 +597,15 @@ def parse_tokenize_request(body: dict) -> TokenizeRequest:
         messages=_parse_messages(body) if has_messages else None,
         add_special_tokens=_opt_bool(body, "add_special_tokens", has_prompt),
         add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
+    )
+
+
+def parse_detokenize_request(body: dict) -> DetokenizeRequest:
+    """Parse a ``/detokenize`` body: ``{"tokens": [int, ...]}``."""
+    if "tokens" not in body:
+        raise ApiError(422, "field 'tokens' is required", param="tokens")
+    return DetokenizeRequest(
+        model=_opt_str(body, "model"), tokens=tuple(_int_list(body["tokens"], "tokens"))
     )
 
 
