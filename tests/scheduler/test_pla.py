@@ -274,6 +274,22 @@ def queue(engine: LLMEngine, arrivals: list[A]) -> list:
     ]
 
 
+@pytest.mark.parametrize("aging", [0.0, 0.03])
+@pytest.mark.parametrize("arrived_before", [5.0, 20.0])
+def test_long_queue_is_shortest_first_aged_by_waiting(aging, arrived_before):
+    """Waiting long prompts advance shortest predicted prefill first, each second waited counting as
+    ``long_aging`` seconds less work: a longer prompt that arrived earlier goes first once the gap in
+    waiting outweighs the gap in work (the starvation guard); with no aging it never does."""
+    engine, _, _ = sim_engine(policy="pla", long_aging=aging, late_yield=0)
+    longer, shorter = queue(engine, [A(0.0, 3000), A(arrived_before, 1000)])
+    sched = engine.scheduler
+    work_gap = COST.prefill_time(3000) - COST.prefill_time(1000)
+    assert 5.0 * 0.03 < work_gap < 20.0 * 0.03  # the two cases fall on either side
+    order = sched.longs.order(sched.running, sched.waiting, sched.plan(arrived_before + 1.0))
+    longer_first = aging * arrived_before > work_gap
+    assert order == ([longer, shorter] if longer_first else [shorter, longer])
+
+
 @pytest.mark.parametrize("pad", ["always", "never"])
 def test_short_batch_keeps_its_on_time_members_on_time(pad):
     # Six shorts at once, all due in 0.1 s: three long-ish ones, three small ones. One batch of all of
