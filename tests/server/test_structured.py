@@ -105,6 +105,25 @@ def test_json_schema_and_json_object_on_chat(server, client: openai.OpenAI, stre
         assert reason == "stop" and isinstance(json.loads(text), dict), text
 
 
+def test_json_schema_on_responses(client: openai.OpenAI) -> None:
+    """The Responses API's ``text.format`` is chat's ``response_format``: the same grammar, the same
+    answer for the same seed."""
+    schema = {"name": "person", "schema": PERSON, "strict": True}
+    resp = client.responses.create(
+        model=_model(client),
+        input=MESSAGES[0]["content"],
+        text={"format": {"type": "json_schema", **schema}},
+        max_output_tokens=300,
+        extra_body={"seed": 3},
+    )
+    assert resp.status == "completed"
+    jsonschema.validate(json.loads(resp.output_text), PERSON)
+    ((text, reason),) = _chat(
+        client, response_format={"type": "json_schema", "json_schema": schema}
+    )
+    assert resp.output_text == text and reason == "stop"
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_regex_choice_and_grammar_on_completions(client: openai.OpenAI, stream: bool) -> None:
     regex = r"[A-Z][a-z]{2,5}-[0-9]{3}"

@@ -2,7 +2,8 @@
 
 Routes (docs/SERVER.md has the full list with status codes):
 
-* ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with ``stream: true``)
+* ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (each streams with
+  ``stream: true``)
 * ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``,
   ``GET /version``
 * ``GET /load``: the engine's load report, the signal plaserve's router balances on
@@ -30,6 +31,7 @@ from starlette.routing import Route
 
 import plaserve
 from plaserve.request import ParamError, SamplingParams
+from plaserve.server import openai_responses as RA
 from plaserve.server import responses as R
 from plaserve.server.auth import ApiKeyMiddleware
 from plaserve.server.connections import ErrorGuard
@@ -317,12 +319,11 @@ class _Handlers:
                 text = text.removesuffix(eos)
         return text
 
-    async def chat(self, request: Request) -> Response:
-        body = await self._body(request)
-        req = parse_chat_request(body, self.sampling_defaults)
-        self._check_model(req.model)
-        check_logit_bias(req.sampling.logit_bias, self.limits)
-        parser, sampling = self._chat_tools(req)
+    def _chat_prompt(
+        self, req: ChatRequest, sampling: SamplingParams
+    ) -> tuple[list[int], list[SamplingParams]]:
+        """A chat request's templated, checked prompt and its choices' parameters (``max_tokens``: the
+        request's, else the server's default, else the rest of the context)."""
         template_vars = dict(req.chat_template_kwargs or {})
         if req.tools is not None:
             template_vars["tools"] = list(req.tools.tools)
@@ -335,11 +336,18 @@ class _Handlers:
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         if req.sampling.max_tokens is None and self.default_max_tokens:
             max_tokens = min(max_tokens, self.default_max_tokens)
+        return ids, self._params(sampling, max_tokens)
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._body(request)
+        req = parse_chat_request(body, self.sampling_defaults)
+        self._check_model(req.model)
+        check_logit_bias(req.sampling.logit_bias, self.limits)
+        parser, sampling = self._chat_tools(req)
+        ids, params = self._chat_prompt(req, sampling)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
-        gen = await self._start(
-            kvp, rid, [ids] * req.sampling.n, self._params(sampling, max_tokens), req.sampling.n
-        )
+        gen = await self._start(kvp, rid, [ids] * req.sampling.n, params, req.sampling.n)
         if req.stream:
             return EventStreamResponse(
                 self._stream_chat(gen, rid, req.stream_options, req.sampling, parser)
@@ -477,6 +485,49 @@ class _Handlers:
         finally:
             gen.close()
         yield R.DONE
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, read as the chat request it means (:mod:`openai_responses`)."""
+        body = await self._body(request)
+        req = parse_chat_request(RA.chat_body(body), self.sampling_defaults)
+        self._check_model(req.model)
+        ids, params = self._chat_prompt(req, req.sampling)
+        rid, msg_id = RA.new_ids()
+        gen = await self._start(None, rid, [ids], params, 1)
+        created = int(time.time())
+        if req.stream:
+            return EventStreamResponse(
+                self._stream_response(gen, rid, msg_id, created, body, req.sampling)
+            )
+        outputs = await self._wait(request, gen)
+        return JSONResponse(RA.final_response(rid, msg_id, created, self.model_name, body, outputs))
+
+    async def _stream_response(
+        self,
+        gen: Generation,
+        rid: str,
+        msg_id: str,
+        created: int,
+        body: dict[str, Any],
+        sampling: SamplingParams,
+    ) -> AsyncIterator[str]:
+        events = RA.EventStream(rid, msg_id)
+        tracker = DeltaTracker(sampling.stop)
+        try:
+            for event in events.opening(RA.response(rid, created, self.model_name, body)):
+                yield event
+            async for batch in gen.updates():
+                for out in batch.values():
+                    if text := tracker.delta(out.outputs[0].text, out.finished):
+                        yield events.delta(text)
+            done = RA.final_response(rid, msg_id, created, self.model_name, body, gen.outputs())
+            for event in events.closing(done):
+                yield event
+        except ApiError as e:  # headers are sent already: report the error in the stream
+            self.loop.count_error(e.status)
+            yield events.error(e)
+        finally:
+            gen.close()
 
     # --- model and tokenizer -------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -637,6 +688,7 @@ def build_app(
     routes = [
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
+        Route("/v1/responses", h.responses, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),
