@@ -160,6 +160,7 @@ CASES = [
         400,
     ),
     ("responses unknown model", "/v1/responses", {"model": "x", "input": "hi"}, 404),
+    ("responses metadata not strings", "/v1/responses", {"input": "hi", "metadata": {"k": 1}}, 422),
     (
         "responses max_output_tokens 0",
         "/v1/responses",

@@ -3,6 +3,7 @@ client: the answer is the chat endpoint's for the same messages and sampling, wh
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -122,3 +123,19 @@ def test_what_is_not_served_is_a_400_naming_it(
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**kw)
     assert info.value.body["param"].startswith(field)
+
+
+def test_settings_are_echoed_and_nan_in_them_is_null(server) -> None:
+    """The Response echoes the request's ``text`` and ``metadata`` (as OpenAI's does); a NaN in a part
+    of ``text`` nothing reads comes back null, not as a 500 (JSON has no NaN)."""
+    body = (
+        '{"input": "hi", "max_output_tokens": 2, "metadata": {"k": "v"},'
+        ' "text": {"format": {"type": "text"}, "verbosity": NaN}}'
+    )
+    resp = httpx.post(
+        f"{server.url}/v1/responses", content=body, headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert answer["text"] == {"format": {"type": "text"}, "verbosity": None}
+    assert answer["metadata"] == {"k": "v"}

@@ -15,6 +15,7 @@ is accepted and ignored. Tools, reasoning items and non-text inputs are a 400 na
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -143,6 +144,11 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         )
     if "input" not in body:
         raise ApiError(422, "field 'input' is required", param="input")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):  # echoed in the answer, so it must be what the API allows: strings
+        raise ApiError(422, "field 'metadata' must be an object of strings", param="metadata")
     chat = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     chat["messages"] = _messages(body)
     if body.get("max_output_tokens") is not None:
@@ -150,6 +156,18 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if (fmt := _response_format(body)) is not None:
         chat["response_format"] = fmt
     return chat
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every float JSON cannot hold (NaN, infinities) as null, as pydantic writes them:
+    the Response echoes ``text`` whole, and the request's checks read only its ``format``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def new_ids() -> tuple[str, str]:
@@ -201,7 +219,7 @@ def response(
     usage_: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A Response object: the request's settings echoed, as OpenAI's are."""
-    text = request.get("text") or {"format": {"type": "text"}}
+    text = _json_safe(request.get("text") or {"format": {"type": "text"}})
     return {
         "id": rid,
         "object": "response",
@@ -215,7 +233,7 @@ def response(
         "max_output_tokens": request.get("max_output_tokens"),
         "metadata": request.get("metadata") or {},
         "parallel_tool_calls": True,
-        "temperature": request.get("temperature"),
+        "temperature": request.get("temperature"),  # finite: the sampling checks ask it
         "top_p": request.get("top_p"),
         "tool_choice": "none",
         "tools": [],
