@@ -136,6 +136,20 @@ def test_streaming_completion_and_chat(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
+def test_responses_api_through_the_ingress(client: openai.OpenAI) -> None:
+    """OpenAI's Responses API: priced by its conversation, passed to a replica's server and back,
+    whole and streamed (the stream goes on at its first text delta)."""
+    model = client.models.list().data[0].id
+    kw = {"input": "Say something.", "max_output_tokens": 5, "extra_body": {"ignore_eos": True}}
+    whole = client.responses.create(model=model, **kw)
+    assert whole.status == "incomplete" and whole.usage.output_tokens == 5
+    with client.responses.stream(model=model, **kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert final.usage.output_tokens == 5
+
+
 def test_a_gateways_length_hint_prices_the_request_through_ray(
     app_url: str, client: openai.OpenAI
 ) -> None:

@@ -48,3 +48,17 @@ def test_errors_and_early_ends_are_reported():
     s.feed(sse({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}))
     s.eof()
     assert not s.token and "ended" in s.error
+
+
+def test_the_responses_api_stream_has_its_first_token_at_the_first_text_delta():
+    def event(kind: str, **fields) -> bytes:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+    opening = event("response.created", response={"id": "resp_1", "usage": None})
+    opening += event("response.output_item.added", output_index=0, item={})
+    assert not scan(opening).token
+    assert scan(opening + event("response.output_text.delta", delta="Hi")).token
+    # an answer with no text to send ends with its Response: the client must have it
+    assert scan(opening + event("response.completed", response={"id": "resp_1"})).token
+    s = scan(opening + event("error", code=None, message="boom", param=None))
+    assert not s.token and s.error == "boom"

@@ -83,6 +83,11 @@ def test_the_check_measures_against_the_answers_usage() -> None:
     check.done()  # once only
     assert len(seen) == 1
     assert usage_prompt_tokens(b'{"usage": {"prompt_tokens": 4}}') == 4
+    # the Responses API's: in the Response, and in its stream's last event
+    assert usage_prompt_tokens(b'{"object": "response", "usage": {"input_tokens": 6}}') == 6
+    completed = b'data: {"type": "response.completed", "response": {"usage": {"input_tokens": 7}}}'
+    created = b'data: {"type": "response.created", "response": {"usage": null}}'
+    assert usage_prompt_tokens(created + b"\n\n" + completed + b"\n\n") == 7
     assert usage_prompt_tokens(b"data: [DONE]\n\n") is None  # a stream without include_usage
 
 

@@ -92,3 +92,23 @@ def test_unreadable_bodies_are_left_to_the_worker():
         assert run(est.completion(body)).method == "unknown"
     for body in ({}, {"messages": []}, {"messages": [{"role": "user", "content": 5}]}):
         assert run(est.chat(body)).method == "unknown"
+
+
+def test_a_responses_request_is_priced_as_its_conversation(tokenizer_dir):
+    """``instructions`` and ``input`` read as the chat messages the server templates (a developer
+    message as a system one); items that are not messages are left to the worker."""
+    est = LengthEstimator(load_tokenizer(tokenizer_dir))
+    body = {
+        "instructions": "You are terse.",
+        "input": [{"role": "developer", "content": "Be kind."}, MESSAGES[1]],
+    }
+    conversation = [MESSAGES[0], {"role": "system", "content": "Be kind."}, MESSAGES[1]]
+    assert run(est.request("/v1/responses", body)) == run(est.chat({"messages": conversation}))
+    text = {"input": "Hello world! How are you?"}
+    assert run(est.request("/v1/responses", text)) == run(
+        est.chat({"messages": [{"role": "user", "content": text["input"]}]})
+    )
+    assert run(est.request("/v1/chat/completions", {"messages": MESSAGES})).method == "tokenizer"
+    assert run(est.request("/v1/completions", {"prompt": [1, 2]})).tokens == (2,)
+    for bad in ({}, {"input": []}, {"input": [{"type": "function_call_output", "output": "x"}]}):
+        assert run(est.request("/v1/responses", bad)).method == "unknown"

@@ -15,8 +15,8 @@ so nothing has reached the client yet. A stream that breaks after its first toke
 event and ``[DONE]`` (the client sees a clean error, never a hang). With no replica left to try:
 503.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` passed through
-chunk by chunk), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(``stream: true`` passed through chunk by chunk), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
 request router's counters: routing decisions by replica and class, held requests, the short pool).
 """
 
@@ -47,7 +47,7 @@ from plaserve.router.pools import LONG, SHORT
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # The replica is gone or could not take the call: try the next one. ReplicaError comes back from a
 # replica whose server stopped answering; Ray wraps it, so it is matched by name as well.
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaError)
@@ -129,9 +129,8 @@ class OpenAIIngress:
         request from ``peer``, from a trusted ``x-prompt-tokens`` header or the estimator; and the
         check that compares a hint with the answer. Raises :class:`HintError` for a trusted peer's
         malformed hint."""
-        chat = path.endswith("chat/completions")
-        try:
-            outcome, hint = self.length_hints.read(headers, peer, body, chat)
+        try:  # chat and Responses requests hold one conversation, so one prompt
+            outcome, hint = self.length_hints.read(headers, peer, body, path != ROUTES[0])
         except HintError:
             self.metrics.pricing.hints.labels("malformed").inc()
             raise
@@ -140,7 +139,7 @@ class OpenAIIngress:
         if hint is not None:
             est = Estimate(hint, "hint")
         else:
-            est = await (self.estimator.chat(body) if chat else self.estimator.completion(body))
+            est = await self.estimator.request(path, body)
         self.metrics.pricing.priced_tokens.labels(est.method).inc(sum(est.tokens))
         cls = SHORT if sum(est.tokens) < self.short_threshold else LONG
         job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}

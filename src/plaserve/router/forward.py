@@ -67,6 +67,17 @@ def sse_error(message: str) -> bytes:
     return b"data: " + error_json(502, message) + b"\n\ndata: [DONE]\n\n"
 
 
+# The Responses API's stream events that carry a token, or end an answer that had none to send.
+RESPONSES_TOKEN_EVENTS = frozenset(
+    {
+        "response.output_text.delta",
+        "response.function_call_arguments.delta",
+        "response.completed",
+        "response.incomplete",
+    }
+)
+
+
 def _has_token(event: dict[str, Any]) -> bool:
     """Whether a streamed event carries a token.
 
@@ -75,6 +86,8 @@ def _has_token(event: dict[str, Any]) -> bool:
     first token (a client counts it as one), so a completion chunk always counts, and a chat chunk
     counts unless it is the stream's opening ``role`` chunk.
     """
+    if event.get("type") in RESPONSES_TOKEN_EVENTS:
+        return True
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):
             continue
@@ -137,6 +150,9 @@ class FirstTokenScanner:
             if "error" in obj:
                 err = obj["error"]
                 self.error = str(err.get("message") if isinstance(err, dict) else err)
+                return
+            if obj.get("type") in ("error", "response.failed"):  # the Responses API's
+                self.error = str(obj.get("message") or "the response failed")
                 return
             if _has_token(obj):
                 self.token = True

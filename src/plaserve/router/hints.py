@@ -125,8 +125,10 @@ def relative_error(hint: int, actual: int) -> float:
 
 
 def usage_prompt_tokens(data: bytes) -> int | None:
-    """``usage.prompt_tokens`` of an answer: a JSON body, or the last event of a stream that has a
-    usage (streams carry one only with ``stream_options.include_usage``); None when there is none."""
+    """``usage.prompt_tokens`` of an answer (the Responses API's ``usage.input_tokens``, in the
+    Response itself or in its stream's ``response.completed`` event): a JSON body, or the last event of
+    a stream that has a usage (chat and completion streams carry one only with
+    ``stream_options.include_usage``); None when there is none."""
     text = data.strip()
     if text.startswith(b"{"):
         candidates = [text]
@@ -134,14 +136,18 @@ def usage_prompt_tokens(data: bytes) -> int | None:
         candidates = [
             line[5:].strip()
             for line in reversed(text.split(b"\n"))
-            if line.startswith(b"data:") and b'"prompt_tokens"' in line
+            if line.startswith(b"data:")
+            and (b'"prompt_tokens"' in line or b'"input_tokens"' in line)
         ][:1]
     for raw in candidates:
         try:
-            usage = json.loads(raw).get("usage")
+            obj = json.loads(raw)
+            usage = (obj.get("response") or obj).get("usage")
         except (ValueError, AttributeError):
             return None
-        count = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(usage, dict):
+            return None
+        count = usage.get("prompt_tokens", usage.get("input_tokens"))
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             return count
     return None

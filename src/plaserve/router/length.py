@@ -81,6 +81,25 @@ def message_text(message: Any) -> str | None:
     return None
 
 
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The conversation of a ``/v1/responses`` body, as chat messages: ``instructions`` (a system
+    message) and ``input`` (a string: one user message; or message items); None if unreadable."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        return None
+    for item in items:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            return None
+        role = "system" if item.get("role") == "developer" else item.get("role")
+        messages.append({"role": role, "content": item.get("content")})
+    return messages
+
+
 def chars_estimate(text: str) -> int:
     """Tokens of ``text`` at :data:`CHARS_PER_TOKEN` characters each (at least 1)."""
     return max(1, round(len(text) / CHARS_PER_TOKEN))
@@ -137,6 +156,20 @@ class LengthEstimator:
         if isinstance(body.get("model"), str):
             payload["model"] = body["model"]
         return await remote(payload)
+
+    async def request(
+        self, path: str, body: dict[str, Any], remote: RemoteTokenize | None = None
+    ) -> Estimate:
+        """Lengths of a generation request's prompts on ``path``: a completion's prompts, or the one
+        conversation of a chat or (read as chat messages) a Responses API request."""
+        if path == "/v1/responses":
+            messages = responses_messages(body)
+            if messages is None:
+                return Estimate((1,), "unknown")
+            return await self.chat({"model": body.get("model"), "messages": messages}, remote)
+        if path == "/v1/chat/completions":
+            return await self.chat(body, remote)
+        return await self.completion(body, remote)
 
     async def chat(self, body: dict[str, Any], remote: RemoteTokenize | None = None) -> Estimate:
         """Length of a ``/v1/chat/completions`` request's conversation, chat template included."""

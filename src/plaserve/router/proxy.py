@@ -53,7 +53,7 @@ from plaserve.router.forward import (
 from plaserve.router.health import WorkerMonitor
 from plaserve.router.hints import HEADER as HINT_HEADER
 from plaserve.router.hints import HintCheck, HintError, forwarded, usage_prompt_tokens
-from plaserve.router.length import Estimate, LengthEstimator
+from plaserve.router.length import Estimate, LengthEstimator, responses_messages
 from plaserve.router.metrics import RouterMetrics
 from plaserve.router.pd import DecodeTier, generate_pd
 from plaserve.router.policies import Job, make_policy
@@ -274,11 +274,18 @@ class Router:
         remote = self._remote_tokenize if self.estimator.tokenizer is None else None
         if path == "/v1/chat/completions":
             return await self.estimator.chat(body, remote)
+        if path == "/v1/responses":
+            messages = responses_messages(body)
+            if messages is None:
+                return Estimate((1,), "unknown")
+            return await self.estimator.chat(
+                {"model": body.get("model"), "messages": messages}, remote
+            )
         return await self.estimator.completion(body, remote)
 
     # --- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """Route one ``/v1/completions`` or ``/v1/chat/completions`` request."""
+        """Route one ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` request."""
         arrival = self._clock()
         path = request.path
         raw = await request.read()
@@ -299,6 +306,9 @@ class Router:
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
         headers = forwarded(request_headers(request.headers), used=hint is not None)
         if self.decode_tier is not None:
+            if path == "/v1/responses":  # its answer has no kv_transfer_params to hand over
+                msg = "/v1/responses is not served with prefill/decode disaggregation; use chat"
+                return self._reply(path, 400, error_json(400, msg))
             return await generate_pd(self, request, path, body, job, headers, check)
         stream = body.get("stream") is True
         tried: set[str] = set()
@@ -334,7 +344,7 @@ class Router:
             return None
         try:
             outcome, tokens = self.config.length_hints.read(
-                request.headers, request.remote, body, chat=path == "/v1/chat/completions"
+                request.headers, request.remote, body, chat=path != "/v1/completions"
             )
         except HintError:
             self.metrics.child(self.metrics.pricing.hints, "malformed").inc()
@@ -661,6 +671,7 @@ def build_app(router: Router) -> web.Application:
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/completions", router.generate)
     app.router.add_post("/v1/chat/completions", router.generate)
+    app.router.add_post("/v1/responses", router.generate)
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_route)
