@@ -53,7 +53,7 @@ from plaserve.router.forward import (
 from plaserve.router.health import WorkerMonitor
 from plaserve.router.hints import HEADER as HINT_HEADER
 from plaserve.router.hints import HintCheck, HintError, forwarded, usage_prompt_tokens
-from plaserve.router.length import Estimate, LengthEstimator, responses_messages
+from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
 from plaserve.router.pd import DecodeTier, generate_pd
 from plaserve.router.policies import Job, make_policy
@@ -272,16 +272,7 @@ class Router:
         """The prompt lengths of a generation request. Each prompt counts once whatever its ``n``: a
         plaserve worker prefills it once for all its choices (the later ones reuse its cached blocks)."""
         remote = self._remote_tokenize if self.estimator.tokenizer is None else None
-        if path == "/v1/chat/completions":
-            return await self.estimator.chat(body, remote)
-        if path == "/v1/responses":
-            messages = responses_messages(body)
-            if messages is None:
-                return Estimate((1,), "unknown")
-            return await self.estimator.chat(
-                {"model": body.get("model"), "messages": messages}, remote
-            )
-        return await self.estimator.completion(body, remote)
+        return await self.estimator.request(path, body, remote)
 
     # --- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
