@@ -8,6 +8,7 @@ from plaserve.model.tokenizer import load_tokenizer
 from plaserve.router.length import (
     CHAT_TOKENS_PER_MESSAGE,
     CHAT_TOKENS_REPLY,
+    Estimate,
     LengthEstimator,
     chat_chars_estimate,
 )
@@ -110,5 +111,18 @@ def test_a_responses_request_is_priced_as_its_conversation(tokenizer_dir):
     )
     assert run(est.request("/v1/chat/completions", {"messages": MESSAGES})).method == "tokenizer"
     assert run(est.request("/v1/completions", {"prompt": [1, 2]})).tokens == (2,)
-    for bad in ({}, {"input": []}, {"input": [{"type": "function_call_output", "output": "x"}]}):
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "It is 3 pm."}
+    # function calls and their outputs count as chat's assistant and tool turns (by characters here:
+    # this test tokenizer's template has no tool role)
+    with_calls = run(
+        LengthEstimator().request("/v1/responses", {"input": [MESSAGES[1], call, result]})
+    )
+    turns = [
+        MESSAGES[1],
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "It is 3 pm."},
+    ]
+    assert with_calls == Estimate((chat_chars_estimate(turns),), "chars")
+    for bad in ({}, {"input": []}, {"input": [{"type": "reasoning", "summary": []}]}):
         assert run(est.request("/v1/responses", bad)).method == "unknown"

@@ -109,10 +109,10 @@ def test_streamed_response_events(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [{"type": "function", "name": "f", "parameters": {}}]),
+        ("tools", [{"type": "web_search"}]),
         ("previous_response_id", "resp_0"),
         ("background", True),
-        ("input", [{"type": "function_call_output", "call_id": "c", "output": "x"}]),
+        ("input", [{"type": "reasoning", "summary": []}]),
         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
     ],
 )

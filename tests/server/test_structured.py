@@ -261,6 +261,93 @@ def test_required_and_named_tool_choice_are_enforced(client: openai.OpenAI) -> N
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "length"
 
 
+def _flat(tools: list[dict]) -> list[dict]:
+    """Chat's tools as the Responses API spells them (the function's fields at the top)."""
+    return [{"type": "function", **t["function"]} for t in tools]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_function_calls_on_responses(client: openai.OpenAI, stream: bool) -> None:
+    """Function tools on the Responses API: a named or required choice gives function call items,
+    the calls chat gives for the same seed; an earlier call and its output in ``input`` are the
+    history chat is sent (same answer)."""
+    from .test_tools import TOOLS, _check_calls, history
+
+    model = _model(client)
+    question = "What time is it?"
+    kw = dict(model=model, tools=_flat(TOOLS), max_output_tokens=300, extra_body={"seed": 1})
+    chat_kw = dict(model=model, tools=TOOLS, max_tokens=300, seed=1)
+    named = {"type": "function", "name": "get_time"}
+    cases = [
+        (named, {"type": "function", "function": {"name": "get_time"}}),
+        ("required", "required"),
+    ]
+    for choice, chat_choice in cases:
+        if stream:
+            with client.responses.stream(
+                input=question, tool_choice=choice, parallel_tool_calls=False, **kw
+            ) as events:
+                kinds = [e.type for e in events]
+                resp = events.get_final_response()
+            assert "response.function_call_arguments.done" in kinds
+            assert kinds[-1] == "response.completed"
+        else:
+            resp = client.responses.create(
+                input=question, tool_choice=choice, parallel_tool_calls=False, **kw
+            )
+        chat = client.chat.completions.create(
+            messages=[{"role": "user", "content": question}],
+            tool_choice=chat_choice,
+            parallel_tool_calls=False,
+            **chat_kw,
+        )
+        calls = [item for item in resp.output if item.type == "function_call"]
+        want = chat.choices[0].message.tool_calls
+        assert [(c.name, c.arguments) for c in calls] == [
+            (w.function.name, w.function.arguments) for w in want
+        ]
+        assert len(calls) == 1 and calls[0].call_id and calls[0].id.startswith("fc_")
+        _check_calls([(c.name, c.arguments) for c in calls], [w.function.name for w in want])
+        assert resp.status == "completed"
+
+    # a call and its output sent back, as an agent loop does: the same prompt as chat's history
+    messages = history("hermes")  # user, the assistant's call, its result, an answer, a user turn
+    call = messages[1]["tool_calls"][0]
+    items = [
+        {"role": "user", "content": messages[0]["content"]},
+        {
+            "type": "function_call",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+        },
+        {"type": "function_call_output", "call_id": call["id"], "output": messages[2]["content"]},
+        *(
+            {"role": m["role"], "content": [{"type": "input_text", "text": m["content"]}]}
+            for m in messages[3:]
+        ),
+    ]
+    resp = client.responses.create(
+        model=model,
+        input=items,
+        tools=_flat(TOOLS),
+        tool_choice="none",
+        max_output_tokens=12,
+        extra_body={"seed": 2, "ignore_eos": True},
+    )
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=12,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_bad_schemas_and_tools_are_refused_naming_the_problem(client: openai.OpenAI) -> None:
     from .test_tools import TOOLS
 

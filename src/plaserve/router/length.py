@@ -83,7 +83,8 @@ def message_text(message: Any) -> str | None:
 
 def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The conversation of a ``/v1/responses`` body, as chat messages: ``instructions`` (a system
-    message) and ``input`` (a string: one user message; or message items); None if unreadable."""
+    message) and ``input`` (a string: one user message; or message and function call items); None
+    if unreadable."""
     messages: list[dict[str, Any]] = []
     if isinstance(body.get("instructions"), str):
         messages.append({"role": "system", "content": body["instructions"]})
@@ -93,10 +94,20 @@ def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     if not isinstance(items, list) or not items:
         return None
     for item in items:
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call":  # an earlier call, and below its output: as chat sends them
+            call = {"id": item.get("call_id"), "type": "function", "function": item}
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+            )
+        elif kind == "message":
+            role = "system" if item.get("role") == "developer" else item.get("role")
+            messages.append({"role": role, "content": item.get("content")})
+        else:
             return None
-        role = "system" if item.get("role") == "developer" else item.get("role")
-        messages.append({"role": role, "content": item.get("content")})
     return messages
 
 

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import plaserve
-from plaserve.request import ParamError, SamplingParams
+from plaserve.request import ParamError, RequestOutput, SamplingParams
 from plaserve.server import openai_responses as RA
 from plaserve.server import responses as R
 from plaserve.server.auth import ApiKeyMiddleware
@@ -491,16 +491,30 @@ class _Handlers:
         body = await self._body(request)
         req = parse_chat_request(RA.chat_body(body), self.sampling_defaults)
         self._check_model(req.model)
-        ids, params = self._chat_prompt(req, req.sampling)
+        parser, sampling = self._chat_tools(req)
+        ids, params = self._chat_prompt(req, sampling)
         rid, msg_id = RA.new_ids()
         gen = await self._start(None, rid, [ids], params, 1)
         created = int(time.time())
         if req.stream:
             return EventStreamResponse(
-                self._stream_response(gen, rid, msg_id, created, body, req.sampling)
+                self._stream_response(gen, rid, msg_id, created, body, req.sampling, parser)
             )
         outputs = await self._wait(request, gen)
-        return JSONResponse(RA.final_response(rid, msg_id, created, self.model_name, body, outputs))
+        text, calls = self._parsed_answer(parser, outputs[0])
+        return JSONResponse(
+            RA.final_response(rid, msg_id, created, self.model_name, body, outputs, text, calls)
+        )
+
+    def _parsed_answer(
+        self, parser: ToolParser | None, out: RequestOutput
+    ) -> tuple[str, list[dict[str, Any]]]:
+        """A finished answer's text and its tool calls, as chat reads them."""
+        text = out.outputs[0].text
+        if parser is None:
+            return text, []
+        message, _ = tool_message(parser, self._answer_text(text, True), None)
+        return message["content"] or "", message.get("tool_calls", [])
 
     async def _stream_response(
         self,
@@ -510,17 +524,32 @@ class _Handlers:
         created: int,
         body: dict[str, Any],
         sampling: SamplingParams,
+        parser: ToolParser | None,
     ) -> AsyncIterator[str]:
         events = RA.EventStream(rid, msg_id)
         tracker = DeltaTracker(sampling.stop)
+        calls_stream = ToolStream(parser) if parser is not None else None
+        answer = ""
         try:
             for event in events.opening(RA.response(rid, created, self.model_name, body)):
                 yield event
             async for batch in gen.updates():
                 for out in batch.values():
-                    if text := tracker.delta(out.outputs[0].text, out.finished):
-                        yield events.delta(text)
-            done = RA.final_response(rid, msg_id, created, self.model_name, body, gen.outputs())
+                    text = tracker.delta(out.outputs[0].text, out.finished)
+                    if calls_stream is not None:  # the text outside the calls, as chat streams it
+                        answer += text
+                        final = self._answer_text(answer, out.finished)
+                        text, _ = calls_stream.feed(final, out.finished)
+                    if text:
+                        for event in events.delta(text):
+                            yield event
+            outputs = gen.outputs()
+            text, calls = self._parsed_answer(parser, outputs[0])
+            if events.opened:  # the message is what went out
+                text = events.text
+            done = RA.final_response(
+                rid, msg_id, created, self.model_name, body, outputs, text, calls
+            )
             for event in events.closing(done):
                 yield event
         except ApiError as e:  # headers are sent already: report the error in the stream

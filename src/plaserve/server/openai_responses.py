@@ -1,15 +1,18 @@
-"""OpenAI's Responses API (``POST /v1/responses``) over the chat path: text in, one text message out.
+"""OpenAI's Responses API (``POST /v1/responses``) over the chat path: messages and function calls in,
+a text message and function calls out.
 
 A request is read into the ``/v1/chat/completions`` body it means (``instructions`` and ``input`` become
-messages, ``max_output_tokens`` the token limit, ``text.format`` the structured output), so it is
-checked, templated and sampled exactly as a chat request is; this module then shapes the result as a
-Response object, or as the stream of typed events the ``openai`` client reads
-(``response.created`` ... ``response.output_text.delta`` ... ``response.completed``).
+messages, ``function_call`` / ``function_call_output`` items the assistant's tool calls and the tool
+results, ``tools`` and ``tool_choice`` chat's, ``max_output_tokens`` the token limit, ``text.format``
+the structured output), so it is checked, templated, sampled and its calls parsed exactly as a chat
+request is; this module then shapes the result as a Response object, or as the stream of typed events
+the ``openai`` client reads (``response.created`` ... ``response.output_text.delta`` ...
+``response.completed``).
 
 Served as vLLM serves it with its response store off: nothing is kept after the answer, so
 ``previous_response_id``, ``background`` and ``GET /v1/responses/{id}`` are not offered, and ``store``
-is accepted and ignored. Tools, reasoning items and non-text inputs are a 400 naming the field:
-``/v1/chat/completions`` has the tools.
+is accepted and ignored. Built-in tools (web search, files, computer use, MCP), reasoning items and
+non-text inputs are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ SAMPLING_FIELDS = (
     "seed",
     "stop",
     "ignore_eos",
+    "parallel_tool_calls",
 )
 # Accepted and ignored: bookkeeping that does not change the answer (``store``: nothing is stored).
 IGNORED_FIELDS = frozenset(
@@ -47,7 +51,6 @@ IGNORED_FIELDS = frozenset(
         "prompt_cache_key",
         "service_tier",
         "truncation",
-        "parallel_tool_calls",
     }
 )
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -56,6 +59,13 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 
 def _unsupported(field: str, why: str) -> ApiError:
     return ApiError(400, f"{field}: {why}", param=field)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise ApiError(422, f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -93,8 +103,34 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(422, f"{where} must be an object", param="input")
-        if item.get("type", "message") != "message":
-            raise _unsupported(where, f"items of type {item['type']!r} are not supported")
+        kind = item.get("type", "message")
+        if kind == "function_call":  # an earlier answer's call: the assistant's tool call
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {
+                    "name": _string(item, "name", where),
+                    "arguments": _string(item, "arguments", where),
+                },
+            }
+            last = messages[-1] if messages else {}
+            if last.get("role") == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # calls made together: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":  # its result
+            output = item.get("output")
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", where),
+                    "content": _text_of(output, f"{where}.output"),
+                }
+            )
+            continue
+        if kind != "message":
+            raise _unsupported(where, f"items of type {kind!r} are not supported")
         role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
         if role is None:
             raise ApiError(
@@ -122,25 +158,51 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     return fmt  # text, json_object; anything else is chat's 400
 
 
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    """``tools`` (function tools: ``{"type": "function", "name", "description", "parameters",
+    "strict"}``, flat) and ``tool_choice`` as chat's fields."""
+    chat: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise ApiError(422, "field 'tools' must be an array", param="tools")
+        chat["tools"] = []
+        for i, tool in enumerate(tools):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise _unsupported(
+                    f"tools[{i}]", f"only function tools are supported, got type {kind!r}"
+                )
+            spec = {
+                k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool
+            }
+            chat["tools"].append({"type": "function", "function": spec})
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise _unsupported("tool_choice", f"only function choices, got {choice.get('type')!r}")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    return chat
+
+
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The ``/v1/chat/completions`` body a Responses request means; a 400 for what it cannot serve."""
     for field in body:
         if field in SAMPLING_FIELDS or field in IGNORED_FIELDS:
             continue
-        if field in ("input", "instructions", "max_output_tokens", "text"):
+        if field in ("input", "instructions", "max_output_tokens", "text", "tools", "tool_choice"):
             continue
         value = body[field]
-        if field in ("tools", "include") and value in (None, []):
-            continue
-        if field == "tool_choice" and value in (None, "none", "auto"):
+        if field == "include" and value in (None, []):
             continue
         if field in ("background", "reasoning", "previous_response_id", "conversation"):
             if value in (None, False, {}):
                 continue
         raise _unsupported(
             field,
-            "not supported on /v1/responses here (nothing is stored; for tools and reasoning, use "
-            "/v1/chat/completions)",
+            "not supported on /v1/responses here (nothing is stored, and reasoning is not offered)",
         )
     if "input" not in body:
         raise ApiError(422, "field 'input' is required", param="input")
@@ -155,7 +217,7 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat["max_tokens"] = body["max_output_tokens"]
     if (fmt := _response_format(body)) is not None:
         chat["response_format"] = fmt
-    return chat
+    return chat | _tools(body)
 
 
 def _json_safe(value: Any) -> Any:
@@ -176,14 +238,14 @@ def new_ids() -> tuple[str, str]:
 
 
 def _status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
-    """A finished message's status and the Response's ``incomplete_details``."""
+    """A finished answer's status and the Response's ``incomplete_details``."""
     if finish_reason == "length":
         return "incomplete", {"reason": "max_output_tokens"}
     return "completed", None
 
 
 def message(msg_id: str, text: str, status: str) -> dict[str, Any]:
-    """The assistant's output message."""
+    """The assistant's output message (no text part yet while in progress)."""
     part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
     return {
         "type": "message",
@@ -191,6 +253,18 @@ def message(msg_id: str, text: str, status: str) -> dict[str, Any]:
         "status": status,
         "role": "assistant",
         "content": [part] if status != "in_progress" else [],
+    }
+
+
+def function_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A function call output item of one of chat's parsed ``tool_calls``."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": "completed",
     }
 
 
@@ -218,8 +292,8 @@ def response(
     incomplete: dict[str, str] | None = None,
     usage_: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A Response object: the request's settings echoed, as OpenAI's are."""
-    text = _json_safe(request.get("text") or {"format": {"type": "text"}})
+    """A Response object: the request's settings echoed, as OpenAI's are (``text`` and ``tools`` with
+    any NaN as null: JSON has none, and the checks read only parts of them)."""
     return {
         "id": rid,
         "object": "response",
@@ -232,12 +306,12 @@ def response(
         "instructions": request.get("instructions"),
         "max_output_tokens": request.get("max_output_tokens"),
         "metadata": request.get("metadata") or {},
-        "parallel_tool_calls": True,
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
         "temperature": request.get("temperature"),  # finite: the sampling checks ask it
         "top_p": request.get("top_p"),
-        "tool_choice": "none",
-        "tools": [],
-        "text": text,
+        "tool_choice": _json_safe(request.get("tool_choice") or "auto"),
+        "tools": _json_safe(request.get("tools") or []),
+        "text": _json_safe(request.get("text") or {"format": {"type": "text"}}),
         "store": False,
         "background": False,
         "usage": usage_,
@@ -245,28 +319,40 @@ def response(
 
 
 def final_response(
-    rid: str, msg_id: str, created: int, model: str, request: dict[str, Any], outputs: list
+    rid: str,
+    msg_id: str,
+    created: int,
+    model: str,
+    request: dict[str, Any],
+    outputs: list,
+    text: str,
+    calls: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The finished Response of ``outputs`` (one choice)."""
-    status, incomplete = _status(outputs[0].outputs[0].finish_reason)
+    """The finished Response of ``outputs`` (one choice) whose answer is ``text`` and chat's parsed
+    ``calls``: a message where there is text or no call, then a function call item per call."""
+    status, incomplete = _status(None if calls else outputs[0].outputs[0].finish_reason)
+    items = [message(msg_id, text, status)] if text or not calls else []
     return response(
         rid,
         created,
         model,
         request,
         status=status,
-        output=[message(msg_id, outputs[0].outputs[0].text, status)],
+        output=items + [function_call(c) for c in calls],
         incomplete=incomplete,
         usage_=usage(outputs),
     )
 
 
 class EventStream:
-    """The typed events of one streamed Response, numbered in order (``sequence_number``)."""
+    """The typed events of one streamed Response, numbered in order (``sequence_number``). The
+    message's item opens at the first text; function calls go out whole at the end."""
 
     def __init__(self, rid: str, msg_id: str) -> None:
         self.rid, self.msg_id = rid, msg_id
         self.sequence = 0
+        self.text = ""  # the message's text sent so far
+        self.opened = False  # the message's item is out
 
     def event(self, kind: str, **fields: Any) -> str:
         """One server-sent event: its type on the ``event:`` line and in the JSON, as OpenAI sends it."""
@@ -276,13 +362,20 @@ class EventStream:
         return f"event: {kind}\ndata: {data}\n\n"
 
     def opening(self, started: dict[str, Any]) -> list[str]:
-        """From ``response.created`` to the empty text part the deltas fill."""
-        item = message(self.msg_id, "", "in_progress")
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         return [
             self.event("response.created", response=started),
             self.event("response.in_progress", response=started),
-            self.event("response.output_item.added", output_index=0, item=item),
+        ]
+
+    def _open_message(self) -> list[str]:
+        self.opened = True
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=0,
+                item=message(self.msg_id, "", "in_progress"),
+            ),
             self.event(
                 "response.content_part.added",
                 item_id=self.msg_id,
@@ -292,30 +385,45 @@ class EventStream:
             ),
         ]
 
-    def delta(self, text: str) -> str:
-        return self.event(
-            "response.output_text.delta",
-            item_id=self.msg_id,
-            output_index=0,
-            content_index=0,
-            delta=text,
-            logprobs=[],
-        )
+    def delta(self, text: str) -> list[str]:
+        """A piece of the message's text (its item opened first where this is the first)."""
+        events = [] if self.opened else self._open_message()
+        self.text += text
+        where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        return [*events, self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
 
     def error(self, e: ApiError) -> str:
         """The error event that ends a stream whose headers went out already."""
         return self.event("error", code=e.code, message=e.message, param=e.param)
 
     def closing(self, done: dict[str, Any]) -> list[str]:
-        """From ``response.output_text.done`` to ``response.completed``, which carries the Response with
-        its status (``incomplete`` where the answer hit ``max_output_tokens``): as vLLM ends every
-        stream, and what the ``openai`` client's ``responses.stream`` waits for."""
-        item = done["output"][0]
-        part = item["content"][0]
-        where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
-        return [
-            self.event("response.output_text.done", **where, text=part["text"], logprobs=[]),
-            self.event("response.content_part.done", **where, part=part),
-            self.event("response.output_item.done", output_index=0, item=item),
-            self.event("response.completed", response=done),
-        ]
+        """Each output item's end (a function call's whole: added, its arguments, done), then
+        ``response.completed``, which carries the Response with its status (``incomplete`` where the
+        answer hit ``max_output_tokens``): as vLLM ends every stream, and what the ``openai``
+        client's ``responses.stream`` waits for."""
+        events: list[str] = []
+        for index, item in enumerate(done["output"]):
+            if item["type"] == "message":
+                events += [] if self.opened else self._open_message()
+                part = item["content"][0]
+                where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+                events += [
+                    self.event(
+                        "response.output_text.done", **where, text=part["text"], logprobs=[]
+                    ),
+                    self.event("response.content_part.done", **where, part=part),
+                ]
+            else:
+                where = {"item_id": item["id"], "output_index": index}
+                args = item["arguments"]
+                events += [
+                    self.event(
+                        "response.output_item.added",
+                        output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"},
+                    ),
+                    self.event("response.function_call_arguments.delta", **where, delta=args),
+                    self.event("response.function_call_arguments.done", **where, arguments=args),
+                ]
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return [*events, self.event("response.completed", response=done)]
