@@ -46,7 +46,8 @@ def _respond(client: openai.OpenAI, max_tokens: int, **extra: object):
 
 def test_response_is_the_chat_answer_cut_at_max_output_tokens(client: openai.OpenAI) -> None:
     chat = _chat(client, 12, ignore_eos=True)
-    resp = _respond(client, 12, ignore_eos=True)
+    # bookkeeping and unknown fields are ignored, as on the other endpoints
+    resp = _respond(client, 12, ignore_eos=True, store=True, user="u1", a_future_field=1)
     assert chat.choices[0].finish_reason == "length"
     assert resp.output_text == chat.choices[0].message.content
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"

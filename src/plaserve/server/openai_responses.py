@@ -39,20 +39,22 @@ SAMPLING_FIELDS = (
     "seed",
     "stop",
     "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
     "parallel_tool_calls",
 )
-# Accepted and ignored: bookkeeping that does not change the answer (``store``: nothing is stored).
-IGNORED_FIELDS = frozenset(
-    {
-        "store",
-        "metadata",
-        "user",
-        "safety_identifier",
-        "prompt_cache_key",
-        "service_tier",
-        "truncation",
-    }
-)
+# Features not offered here: a request that asks for one (any value but null, false or empty) is a
+# 400 naming the field. Other fields the chat path does not read (``store``, ``metadata``, ``user``,
+# ``truncation``, ...) are accepted and ignored, as the other endpoints ignore unknown fields.
+UNSUPPORTED = {
+    "previous_response_id": "nothing is stored",
+    "conversation": "nothing is stored",
+    "background": "nothing is stored",
+    "reasoning": "reasoning is not offered",
+    "include": "no extra output is offered",
+    "prompt": "stored prompts are not offered",
+    "top_logprobs": "log-probabilities are offered on /v1/chat/completions",
+}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -189,21 +191,9 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
 
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The ``/v1/chat/completions`` body a Responses request means; a 400 for what it cannot serve."""
-    for field in body:
-        if field in SAMPLING_FIELDS or field in IGNORED_FIELDS:
-            continue
-        if field in ("input", "instructions", "max_output_tokens", "text", "tools", "tool_choice"):
-            continue
-        value = body[field]
-        if field == "include" and value in (None, []):
-            continue
-        if field in ("background", "reasoning", "previous_response_id", "conversation"):
-            if value in (None, False, {}):
-                continue
-        raise _unsupported(
-            field,
-            "not supported on /v1/responses here (nothing is stored, and reasoning is not offered)",
-        )
+    for field, why in UNSUPPORTED.items():
+        if body.get(field) not in (None, False, 0, "", [], {}):
+            raise _unsupported(field, f"not supported on /v1/responses here: {why}")
     if "input" not in body:
         raise ApiError(422, "field 'input' is required", param="input")
     metadata = body.get("metadata")
