@@ -287,10 +287,18 @@ def test_function_calls_on_responses(client: openai.OpenAI, stream: bool) -> Non
             with client.responses.stream(
                 input=question, tool_choice=choice, parallel_tool_calls=False, **kw
             ) as events:
-                kinds = [e.type for e in events]
+                seen = list(events)
                 resp = events.get_final_response()
-            assert "response.function_call_arguments.done" in kinds
+            kinds = [e.type for e in seen]
             assert kinds[-1] == "response.completed"
+            # the call's item opens at its name, then its arguments come in pieces, as chat's do
+            added = kinds.index("response.output_item.added")
+            pieces = [e.delta for e in seen if e.type == "response.function_call_arguments.delta"]
+            assert seen[added].item.type == "function_call" and len(pieces) > 1
+            assert added < kinds.index("response.function_call_arguments.delta")
+            (done,) = [e for e in seen if e.type == "response.function_call_arguments.done"]
+            assert "".join(pieces) == done.arguments == resp.output[-1].arguments
+            assert seen[added].item.id == resp.output[-1].id
         else:
             resp = client.responses.create(
                 input=question, tool_choice=choice, parallel_tool_calls=False, **kw

@@ -502,8 +502,9 @@ class _Handlers:
             )
         outputs = await self._wait(request, gen)
         text, calls = self._parsed_answer(parser, outputs[0])
+        items = RA.function_calls(calls)
         return JSONResponse(
-            RA.final_response(rid, msg_id, created, self.model_name, body, outputs, text, calls)
+            RA.final_response(rid, msg_id, created, self.model_name, body, outputs, text, items)
         )
 
     def _parsed_answer(
@@ -536,19 +537,26 @@ class _Handlers:
             async for batch in gen.updates():
                 for out in batch.values():
                     text = tracker.delta(out.outputs[0].text, out.finished)
-                    if calls_stream is not None:  # the text outside the calls, as chat streams it
+                    deltas = []
+                    if calls_stream is not None:  # text and call pieces, as chat streams them
                         answer += text
                         final = self._answer_text(answer, out.finished)
-                        text, _ = calls_stream.feed(final, out.finished)
+                        text, deltas = calls_stream.feed(final, out.finished)
                     if text:
                         for event in events.delta(text):
+                            yield event
+                    for d in deltas:
+                        call_id = parser.new_id() if parser and d.name is not None else ""
+                        for event in events.call(d.index, call_id, d.name, d.arguments):
                             yield event
             outputs = gen.outputs()
             text, calls = self._parsed_answer(parser, outputs[0])
             if events.opened:  # the message is what went out
                 text = events.text
+            # the calls as they went out (none streamed: the answer's, parsed whole)
+            items = events.streamed_calls() or RA.function_calls(calls)
             done = RA.final_response(
-                rid, msg_id, created, self.model_name, body, outputs, text, calls
+                rid, msg_id, created, self.model_name, body, outputs, text, items
             )
             for event in events.closing(done):
                 yield event

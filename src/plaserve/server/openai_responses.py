@@ -246,16 +246,26 @@ def message(msg_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
-def function_call(call: dict[str, Any]) -> dict[str, Any]:
-    """A function call output item of one of chat's parsed ``tool_calls``."""
+def function_call(
+    call_id: str, name: str, arguments: str, status: str = "completed"
+) -> dict[str, Any]:
+    """A function call output item."""
     return {
         "type": "function_call",
         "id": f"fc_{uuid.uuid4().hex}",
-        "call_id": call["id"],
-        "name": call["function"]["name"],
-        "arguments": call["function"]["arguments"],
-        "status": "completed",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
     }
+
+
+def function_calls(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The function call items of chat's parsed ``tool_calls``."""
+    return [
+        function_call(c["id"], c["function"]["name"], c["function"]["arguments"])
+        for c in tool_calls
+    ]
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
@@ -318,8 +328,8 @@ def final_response(
     text: str,
     calls: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The finished Response of ``outputs`` (one choice) whose answer is ``text`` and chat's parsed
-    ``calls``: a message where there is text or no call, then a function call item per call."""
+    """The finished Response of ``outputs`` (one choice) whose answer is ``text`` and the function
+    call items ``calls``: a message where there is text or no call, then the calls."""
     status, incomplete = _status(None if calls else outputs[0].outputs[0].finish_reason)
     items = [message(msg_id, text, status)] if text or not calls else []
     return response(
@@ -328,7 +338,7 @@ def final_response(
         model,
         request,
         status=status,
-        output=items + [function_call(c) for c in calls],
+        output=items + calls,
         incomplete=incomplete,
         usage_=usage(outputs),
     )
@@ -336,13 +346,16 @@ def final_response(
 
 class EventStream:
     """The typed events of one streamed Response, numbered in order (``sequence_number``). The
-    message's item opens at the first text; function calls go out whole at the end."""
+    message's item opens at its first text; a function call's item at its name, its arguments
+    following in pieces as the model writes them (the calls come after any text: the tool parsers send
+    no text once a call has begun)."""
 
     def __init__(self, rid: str, msg_id: str) -> None:
         self.rid, self.msg_id = rid, msg_id
         self.sequence = 0
         self.text = ""  # the message's text sent so far
         self.opened = False  # the message's item is out
+        self.calls: list[dict[str, Any]] = []  # the function call items streamed, in order
 
     def event(self, kind: str, **fields: Any) -> str:
         """One server-sent event: its type on the ``event:`` line and in the JSON, as OpenAI sends it."""
@@ -382,16 +395,38 @@ class EventStream:
         where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
         return [*events, self.event("response.output_text.delta", **where, delta=text, logprobs=[])]
 
+    def call(self, index: int, call_id: str, name: str | None, arguments: str) -> list[str]:
+        """A piece of call ``index`` (chat's ``CallDelta``): its first, with the name, opens its item;
+        the next add to its arguments."""
+        if name is not None:
+            self.calls.append(function_call(call_id, name, "", status="in_progress"))
+            item = self.calls[index]
+            return [
+                self.event("response.output_item.added", output_index=self._index(index), item=item)
+            ]
+        item = self.calls[index]
+        item["arguments"] += arguments
+        where = {"item_id": item["id"], "output_index": self._index(index)}
+        return [self.event("response.function_call_arguments.delta", **where, delta=arguments)]
+
+    def _index(self, call: int) -> int:
+        return call + (1 if self.opened else 0)
+
+    def streamed_calls(self) -> list[dict[str, Any]]:
+        """The streamed calls' items, finished."""
+        return [{**item, "status": "completed"} for item in self.calls]
+
     def error(self, e: ApiError) -> str:
         """The error event that ends a stream whose headers went out already."""
         return self.event("error", code=e.code, message=e.message, param=e.param)
 
     def closing(self, done: dict[str, Any]) -> list[str]:
-        """Each output item's end (a function call's whole: added, its arguments, done), then
+        """Each output item's end (a call not streamed, whole: added, its arguments, done), then
         ``response.completed``, which carries the Response with its status (``incomplete`` where the
         answer hit ``max_output_tokens``): as vLLM ends every stream, and what the ``openai``
         client's ``responses.stream`` waits for."""
         events: list[str] = []
+        streamed = {item["id"] for item in self.calls}
         for index, item in enumerate(done["output"]):
             if item["type"] == "message":
                 events += [] if self.opened else self._open_message()
@@ -406,14 +441,17 @@ class EventStream:
             else:
                 where = {"item_id": item["id"], "output_index": index}
                 args = item["arguments"]
-                events += [
-                    self.event(
-                        "response.output_item.added",
-                        output_index=index,
-                        item={**item, "arguments": "", "status": "in_progress"},
-                    ),
-                    self.event("response.function_call_arguments.delta", **where, delta=args),
-                    self.event("response.function_call_arguments.done", **where, arguments=args),
-                ]
+                if item["id"] not in streamed:
+                    events += [
+                        self.event(
+                            "response.output_item.added",
+                            output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"},
+                        ),
+                        self.event("response.function_call_arguments.delta", **where, delta=args),
+                    ]
+                events.append(
+                    self.event("response.function_call_arguments.done", **where, arguments=args)
+                )
             events.append(self.event("response.output_item.done", output_index=index, item=item))
         return [*events, self.event("response.completed", response=done)]
