@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from plaserve.model.tokenizer import Tokenizer
+from plaserve.responses_input import InputError, chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -79,36 +80,6 @@ def message_text(message: Any) -> str | None:
             if isinstance(p, dict) and isinstance(p.get("text", ""), str)
         )
     return None
-
-
-def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The conversation of a ``/v1/responses`` body, as chat messages: ``instructions`` (a system
-    message) and ``input`` (a string: one user message; or message and function call items); None
-    if unreadable."""
-    messages: list[dict[str, Any]] = []
-    if isinstance(body.get("instructions"), str):
-        messages.append({"role": "system", "content": body["instructions"]})
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        return None
-    for item in items:
-        kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "function_call":  # an earlier call, and below its output: as chat sends them
-            call = {"id": item.get("call_id"), "type": "function", "function": item}
-            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append(
-                {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
-            )
-        elif kind == "message":
-            role = "system" if item.get("role") == "developer" else item.get("role")
-            messages.append({"role": role, "content": item.get("content")})
-        else:
-            return None
-    return messages
 
 
 def chars_estimate(text: str) -> int:
@@ -174,8 +145,9 @@ class LengthEstimator:
         """Lengths of a generation request's prompts on ``path``: a completion's prompts, or the one
         conversation of a chat or (read as chat messages) a Responses API request."""
         if path == "/v1/responses":
-            messages = responses_messages(body)
-            if messages is None:
+            try:
+                messages = chat_messages(body)
+            except InputError:  # the worker will say why
                 return Estimate((1,), "unknown")
             return await self.chat({"model": body.get("model"), "messages": messages}, remote)
         if path == "/v1/chat/completions":

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from plaserve import responses_input
 from plaserve.request import RequestOutput
 from plaserve.server.errors import ApiError
 
@@ -55,91 +56,10 @@ UNSUPPORTED = {
     "prompt": "stored prompts are not offered",
     "top_logprobs": "log-probabilities are offered on /v1/chat/completions",
 }
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _unsupported(field: str, why: str) -> ApiError:
     return ApiError(400, f"{field}: {why}", param=field)
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise ApiError(422, f"{where}.{key} must be a string", param=f"{where}.{key}")
-    return value
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or text parts joined (other parts are a 400)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(422, f"{where}.content must be a string or an array of parts", param=where)
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise _unsupported(
-                where, f"only text content is supported, got a part of type {kind!r}"
-            )
-        texts.append(part["text"])
-    return "".join(texts)
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """``instructions`` (a system message) and ``input`` (a string: one user message; or message
-    items) as chat messages."""
-    messages = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise ApiError(422, "field 'instructions' must be a string", param="instructions")
-        messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise ApiError(422, "field 'input' must be a string or an array of items", param="input")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise ApiError(422, f"{where} must be an object", param="input")
-        kind = item.get("type", "message")
-        if kind == "function_call":  # an earlier answer's call: the assistant's tool call
-            call = {
-                "id": _string(item, "call_id", where),
-                "type": "function",
-                "function": {
-                    "name": _string(item, "name", where),
-                    "arguments": _string(item, "arguments", where),
-                },
-            }
-            last = messages[-1] if messages else {}
-            if last.get("role") == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)  # calls made together: one assistant turn
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-            continue
-        if kind == "function_call_output":  # its result
-            output = item.get("output")
-            messages.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": _string(item, "call_id", where),
-                    "content": _text_of(output, f"{where}.output"),
-                }
-            )
-            continue
-        if kind != "message":
-            raise _unsupported(where, f"items of type {kind!r} are not supported")
-        role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise ApiError(
-                400, f"{where}.role must be one of {sorted(ROLES)}, got {item.get('role')!r}"
-            )
-        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
-    return messages
 
 
 def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -202,7 +122,10 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     ):  # echoed in the answer, so it must be what the API allows: strings
         raise ApiError(422, "field 'metadata' must be an object of strings", param="metadata")
     chat = {k: body[k] for k in SAMPLING_FIELDS if k in body}
-    chat["messages"] = _messages(body)
+    try:
+        chat["messages"] = responses_input.chat_messages(body)
+    except responses_input.InputError as e:
+        raise ApiError(e.status, str(e), param=e.param) from None
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
     if (fmt := _response_format(body)) is not None:
