@@ -114,12 +114,8 @@ def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def prefill_request(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The proxy's first leg: ``max_tokens: 1``, not streamed, ``do_remote_decode``."""
-    first = {
-        **body,
-        "max_tokens": 1,
-        "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    first = {**body, limit: 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     first.pop("stream_options", None)
     r = post(url, path, first)
     assert r.status_code == 200, r.text
@@ -129,7 +125,16 @@ def prefill_request(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]
 
 
 def texts(path: str, body: dict[str, Any]) -> list[str]:
-    """The choices' texts of a finished (non-streamed) response body."""
+    """The choices' texts of a finished (non-streamed) response body (a Response's: its one answer,
+    the message's text and each function call's name and arguments)."""
+    if path == "/v1/responses":
+        parts = [
+            item["content"][0]["text"]
+            if item["type"] == "message"
+            else f"{item['name']}({item['arguments']})"
+            for item in body["output"]
+        ]
+        return ["|".join(parts)]
     if path == "/v1/chat/completions":
         return [c["message"]["content"] for c in body["choices"]]
     return [c["text"] for c in body["choices"]]
@@ -143,7 +148,11 @@ def stream_texts(url: str, path: str, body: dict[str, Any]) -> list[str]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            assert "error" not in event, event
+            assert "error" not in event and event.get("type") != "error", event
+            if path == "/v1/responses":  # the Response its last event carries
+                if event["type"] == "response.completed":
+                    return texts(path, event["response"])
+                continue
             for c in event["choices"]:
                 piece = c.get("text") if "text" in c else c.get("delta", {}).get("content")
                 out[c["index"]] = out.get(c["index"], "") + (piece or "")
@@ -178,6 +187,11 @@ def wait_blocks_zero(url: str, timeout: float = 10.0) -> None:
 
 LONG = " ".join(f"word{i % 37} thing{i % 11}" for i in range(75))  # ~650 tokens: 40 blocks
 
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+}
 CASES = [
     ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 12}),
     ("/v1/completions", {"prompt": LONG, "max_tokens": 8}),
@@ -186,6 +200,19 @@ CASES = [
         {"messages": [{"role": "user", "content": "Say something long"}], "max_tokens": 10},
     ),
     ("/v1/completions", {"prompt": "A prompt with two choices", "max_tokens": 6, "n": 2}),
+    (
+        "/v1/responses",
+        {"instructions": "Be brief.", "input": "Say something", "max_output_tokens": 9},
+    ),
+    (  # a named function call: the arguments' grammar runs across the two workers
+        "/v1/responses",
+        {
+            "input": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [{"type": "function", "name": "get_weather", "parameters": WEATHER}],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 30,
+        },
+    ),
     # The decode worker's grammar matcher must take the prefill's first token as its own.
     (
         "/v1/completions",
@@ -332,6 +359,15 @@ def test_router_pd_equals_colocated_with_the_openai_client(
         model="qwen20", messages=messages, max_tokens=8, temperature=0
     )
     assert got.choices[0].message.content == ref.choices[0].message.content
+    kw = {"model": "qwen20", "instructions": "Be brief.", "input": "Tell me about foxes"}
+    ref = ref_client.responses.create(**kw, max_output_tokens=8, temperature=0)
+    got = client.responses.create(**kw, max_output_tokens=8, temperature=0)
+    assert got.output_text == ref.output_text and got.status == ref.status
+    assert got.usage.input_tokens == ref.usage.input_tokens
+    with client.responses.stream(**kw, max_output_tokens=8, temperature=0) as events:
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        final = events.get_final_response()
+    assert "".join(deltas) == final.output_text == ref.output_text
     # Logprobs do not travel through PD: the router runs such a request whole on a decode worker.
     with_logprobs = client.completions.create(
         model="qwen20", prompt="Hello", max_tokens=3, temperature=0, logprobs=1

@@ -56,10 +56,13 @@ def pd_capable(body: dict[str, Any]) -> bool:
     return True
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's body: one token, not streamed, its KV kept for a remote decode."""
     out = {k: v for k, v in body.items() if k != "stream_options"}
-    out["max_tokens"] = 1
+    if path == "/v1/responses":
+        out["max_output_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
@@ -185,7 +188,7 @@ async def generate_pd(
         return await _decode_leg_with_retries(
             router, request, path, json.dumps(body).encode(), headers, stream, job
         )
-    first_raw = json.dumps(prefill_body(body)).encode()
+    first_raw = json.dumps(prefill_body(path, body)).encode()
     tried_prefill: set[str] = set()
     tried_decode: set[str] = set()
     failure: _Failure | None = None

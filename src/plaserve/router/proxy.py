@@ -297,9 +297,6 @@ class Router:
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
         headers = forwarded(request_headers(request.headers), used=hint is not None)
         if self.decode_tier is not None:
-            if path == "/v1/responses":  # its answer has no kv_transfer_params to hand over
-                msg = "/v1/responses is not served with prefill/decode disaggregation; use chat"
-                return self._reply(path, 400, error_json(400, msg))
             return await generate_pd(self, request, path, body, job, headers, check)
         stream = body.get("stream") is True
         tried: set[str] = set()

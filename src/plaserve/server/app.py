@@ -494,7 +494,8 @@ class _Handlers:
         parser, sampling = self._chat_tools(req)
         ids, params = self._chat_prompt(req, sampling)
         rid, msg_id = RA.new_ids()
-        gen = await self._start(None, rid, [ids], params, 1)
+        kvp = self._kv_params(body, 1, req.sampling, req.stream)
+        gen = await self._start(kvp, rid, [ids], params, 1)
         created = int(time.time())
         if req.stream:
             return EventStreamResponse(
@@ -503,9 +504,10 @@ class _Handlers:
         outputs = await self._wait(request, gen)
         text, calls = self._parsed_answer(parser, outputs[0])
         items = RA.function_calls(calls)
-        return JSONResponse(
-            RA.final_response(rid, msg_id, created, self.model_name, body, outputs, text, items)
+        answer = RA.final_response(
+            rid, msg_id, created, self.model_name, body, outputs, text, items
         )
+        return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
 
     def _parsed_answer(
         self, parser: ToolParser | None, out: RequestOutput
