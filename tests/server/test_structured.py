@@ -356,6 +356,51 @@ def test_function_calls_on_responses(client: openai.OpenAI, stream: bool) -> Non
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_an_agent_loop_continues_by_previous_response_id(client: openai.OpenAI) -> None:
+    """A function call answered by its output in the next request, which names the call's Response:
+    the prompt is chat's for the whole history (same answer, same token count)."""
+    from .test_tools import TOOLS
+
+    model = _model(client)
+    question = "What time is it?"
+    call_resp = client.responses.create(
+        model=model,
+        input=question,
+        tools=_flat(TOOLS),
+        tool_choice={"type": "function", "name": "get_time"},
+        max_output_tokens=300,
+        extra_body={"seed": 1},
+    )
+    (call,) = call_resp.output
+    assert call.type == "function_call"
+    answer = client.responses.create(
+        model=model,
+        previous_response_id=call_resp.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}],
+        tools=_flat(TOOLS),
+        tool_choice="none",
+        max_output_tokens=8,
+        extra_body={"seed": 2, "ignore_eos": True},
+    )
+    tool_call = {"id": call.call_id, "type": "function"}
+    tool_call["function"] = {"name": call.name, "arguments": call.arguments}
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "12:00"},
+        ],
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=8,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert answer.output_text == chat.choices[0].message.content
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_bad_schemas_and_tools_are_refused_naming_the_problem(client: openai.OpenAI) -> None:
     from .test_tools import TOOLS
 

@@ -62,6 +62,7 @@ from plaserve.server.protocol import (
     parse_json_object,
     parse_tokenize_request,
 )
+from plaserve.server.response_store import ResponseStore, Stored
 from plaserve.server.tool_parsers import PARSERS, ToolParser, ToolStream
 from plaserve.server.tools import (
     delta_json,
@@ -97,9 +98,11 @@ class _Handlers:
         pd: PDWorker | None = None,
         tool_parser: ToolParser | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        response_store: ResponseStore | None = None,
     ) -> None:
         facts = engine_loop.facts
         self.pd = pd
+        self.store = response_store or ResponseStore(0)  # /v1/responses' kept answers
         # --generation-config: the model's defaults for fields a request leaves out; its
         # max_new_tokens caps the max_tokens an endpoint picks by itself
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -489,25 +492,93 @@ class _Handlers:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, read as the chat request it means (:mod:`openai_responses`)."""
         body = await self._body(request)
-        req = parse_chat_request(RA.chat_body(body), self.sampling_defaults)
+        conversation = self._conversation(body)
+        chat = RA.chat_body({**body, "input": conversation} if "input" in body else body)
+        req = parse_chat_request(chat, self.sampling_defaults)
         self._check_model(req.model)
         parser, sampling = self._chat_tools(req)
         ids, params = self._chat_prompt(req, sampling)
-        rid, msg_id = RA.new_ids()
+        rid, msg_id = self.store.new_id(), RA.message_id()
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
+        # kept unless the client says not to; a prefill for another worker's decode is not an answer
+        keep = self.store.enabled and body.get("store") is not False
+        keep = keep and (kvp is None or not kvp.do_remote_decode)
+
+        def done(response: dict[str, Any]) -> None:
+            if keep:
+                self.store.put(response, conversation)
+
         gen = await self._start(kvp, rid, [ids], params, 1)
         created = int(time.time())
         if req.stream:
             return EventStreamResponse(
-                self._stream_response(gen, rid, msg_id, created, body, req.sampling, parser)
+                self._stream_response(
+                    gen, rid, msg_id, created, body, req.sampling, parser, keep, done
+                )
             )
         outputs = await self._wait(request, gen)
         text, calls = self._parsed_answer(parser, outputs[0])
         items = RA.function_calls(calls)
         answer = RA.final_response(
-            rid, msg_id, created, self.model_name, body, outputs, text, items
+            rid, msg_id, created, self.model_name, body, outputs, text, items, keep
         )
+        done(answer)
         return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
+
+    def _conversation(self, body: dict[str, Any]) -> Any:
+        """The request's input items after the conversation of the Response it continues
+        (``previous_response_id``); a 400 where that is not kept."""
+        items = RA.input_items(body.get("input"))
+        prev_id = body.get("previous_response_id")
+        if prev_id is None:
+            return items
+        if not isinstance(prev_id, str):
+            raise ApiError(
+                422, "field 'previous_response_id' must be a string", param="previous_response_id"
+            )
+        if not self.store.enabled:
+            raise ApiError(
+                400,
+                "previous_response_id: this server keeps no Responses (--response-store-mib 0)",
+                param="previous_response_id",
+            )
+        prev = self.store.get(prev_id)
+        if prev is None:
+            raise ApiError(
+                400,
+                f"Previous response with id '{prev_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return prev.conversation() + items if isinstance(items, list) else items
+
+    def _kept(self, request: Request) -> tuple[str, Stored]:
+        """The kept Response the path names, or a 404."""
+        rid = request.path_params["response_id"]
+        entry = self.store.get(rid)
+        if entry is None:
+            raise ApiError(404, f"Response with id '{rid}' not found.", param="response_id")
+        return rid, entry
+
+    async def get_response(self, request: Request) -> Response:
+        _, entry = self._kept(request)
+        if request.query_params.get("stream") in ("true", "1"):
+            raise ApiError(
+                400,
+                "stream: a kept Response is returned whole (replaying its events is for background "
+                "Responses, which are not offered)",
+                param="stream",
+            )
+        return JSONResponse(entry.response)
+
+    async def delete_response(self, request: Request) -> Response:
+        rid, _ = self._kept(request)
+        self.store.delete(rid)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def response_input_items(self, request: Request) -> Response:
+        _, entry = self._kept(request)
+        return JSONResponse(RA.items_page(entry.input_items, request.query_params))
 
     def _parsed_answer(
         self, parser: ToolParser | None, out: RequestOutput
@@ -528,13 +599,17 @@ class _Handlers:
         body: dict[str, Any],
         sampling: SamplingParams,
         parser: ToolParser | None,
+        keep: bool,
+        done: Callable[[dict[str, Any]], None],
     ) -> AsyncIterator[str]:
+        """The events of a streamed Response; ``keep``: it will be stored, by ``done`` at its end."""
         events = RA.EventStream(rid, msg_id)
         tracker = DeltaTracker(sampling.stop)
         calls_stream = ToolStream(parser) if parser is not None else None
         answer = ""
         try:
-            for event in events.opening(RA.response(rid, created, self.model_name, body)):
+            started = RA.response(rid, created, self.model_name, body, stored=keep)
+            for event in events.opening(started):
                 yield event
             async for batch in gen.updates():
                 for out in batch.values():
@@ -557,10 +632,11 @@ class _Handlers:
                 text = events.text
             # the calls as they went out (none streamed: the answer's, parsed whole)
             items = events.streamed_calls() or RA.function_calls(calls)
-            done = RA.final_response(
-                rid, msg_id, created, self.model_name, body, outputs, text, items
+            final = RA.final_response(
+                rid, msg_id, created, self.model_name, body, outputs, text, items, keep
             )
-            for event in events.closing(done):
+            done(final)
+            for event in events.closing(final):
                 yield event
         except ApiError as e:  # headers are sent already: report the error in the stream
             self.loop.count_error(e.status)
@@ -626,6 +702,7 @@ class _Handlers:
             {
                 **snap.load,
                 **({"pd": self.pd.describe()} if self.pd is not None else {}),
+                "responses": self.store.describe(),
                 "pending": snap.pending,
                 "num_tokens": snap.num_tokens,
                 "timestamp": snap.time,
@@ -677,16 +754,19 @@ def build_app(
     pd: PDWorker | None = None,
     tool_parser: str | None = None,
     sampling_defaults: dict[str, Any] | None = None,
+    response_store_bytes: int = 0,
 ) -> ErrorGuard:
     """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
     on startup and stops it on shutdown. ``pd``: this worker's part in prefill/decode disaggregation
     (its KV transfer service runs while the app does; docs/PD.md). ``tool_parser``: the
     ``--tool-call-parser`` that reads ``tool_choice: "auto"`` answers (None: such requests get a 400).
     ``sampling_defaults``: the model's defaults for the sampling fields a request leaves out
-    (``--generation-config``)."""
+    (``--generation-config``). ``response_store_bytes``: how much of its finished Responses
+    ``/v1/responses`` keeps for ``GET`` and ``previous_response_id`` (0: none)."""
     parser = PARSERS[tool_parser]() if tool_parser is not None else None
     name = served_model_name or engine_loop.model_name
-    h = _Handlers(engine_loop, name, http_limits, pd, parser, sampling_defaults)
+    store = ResponseStore(response_store_bytes)
+    h = _Handlers(engine_loop, name, http_limits, pd, parser, sampling_defaults, store)
     count_error: Callable[[int], None] = engine_loop.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -728,6 +808,9 @@ def build_app(
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/responses", h.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", h.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", h.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", h.response_input_items, methods=["GET"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),

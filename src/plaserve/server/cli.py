@@ -139,6 +139,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="how the model writes tool calls: hermes (Qwen2.5, Hermes, the embedded default), "
         "llama3_json (Llama 3.x), mistral",
     )
+    api.add_argument(
+        "--response-store-mib",
+        type=float,
+        default=64.0,
+        help="MiB of finished /v1/responses answers kept for GET /v1/responses/{id} and "
+        "previous_response_id, least recently used forgotten first (default 64; 0: keep none, "
+        "as vLLM without VLLM_ENABLE_RESPONSES_API_STORE)",
+    )
     http = p.add_argument_group(
         "HTTP limits", "what one connection or request may take of the server"
     )
@@ -384,6 +392,9 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_queue is not None and args.max_queue < 1:
         print("plaserve serve: --max-queue must be at least 1", file=sys.stderr)
         return 2
+    if not args.response_store_mib >= 0:  # NaN too
+        print("plaserve serve: --response-store-mib must be >= 0", file=sys.stderr)
+        return 2
     fatal: list[BaseException] = []
     server: uvicorn.Server | None = None
 
@@ -435,6 +446,7 @@ def run_serve(args: argparse.Namespace) -> int:
         pd=pd,
         tool_parser=tool_parser,
         sampling_defaults=sampling_defaults,
+        response_store_bytes=int(args.response_store_mib * 2**20),
     )
     if facts.random_weights:
         print(

@@ -9,10 +9,11 @@ request is; this module then shapes the result as a Response object, or as the s
 the ``openai`` client reads (``response.created`` ... ``response.output_text.delta`` ...
 ``response.completed``).
 
-Served as vLLM serves it with its response store off: nothing is kept after the answer, so
-``previous_response_id``, ``background`` and ``GET /v1/responses/{id}`` are not offered, and ``store``
-is accepted and ignored. Built-in tools (web search, files, computer use, MCP), reasoning items and
-non-text inputs are a 400 naming the field.
+Finished Responses are kept (unless ``store: false``) by :mod:`plaserve.server.response_store` for
+``GET /v1/responses/{id}`` and ``previous_response_id``, which continues a kept Response's conversation
+(its input and output items, not its ``instructions``, as OpenAI's does). ``background`` and
+``conversation`` are not offered; built-in tools (web search, files, computer use, MCP), reasoning
+items and non-text inputs are a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from plaserve import responses_input
@@ -48,9 +49,8 @@ SAMPLING_FIELDS = (
 # 400 naming the field. Other fields the chat path does not read (``store``, ``metadata``, ``user``,
 # ``truncation``, ...) are accepted and ignored, as the other endpoints ignore unknown fields.
 UNSUPPORTED = {
-    "previous_response_id": "nothing is stored",
-    "conversation": "nothing is stored",
-    "background": "nothing is stored",
+    "conversation": "conversations are not stored; continue a Response by previous_response_id",
+    "background": "every request is answered while the client waits",
     "reasoning": "reasoning is not offered",
     "include": "no extra output is offered",
     "prompt": "stored prompts are not offered",
@@ -116,6 +116,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
             raise _unsupported(field, f"not supported on /v1/responses here: {why}")
     if "input" not in body:
         raise ApiError(422, "field 'input' is required", param="input")
+    if body.get("store") not in (None, True, False):
+        raise ApiError(422, "field 'store' must be a boolean", param="store")
     metadata = body.get("metadata")
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
@@ -133,6 +135,35 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return chat | _tools(body)
 
 
+def items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of ``GET /v1/responses/{id}/input_items``: ``limit`` (1-100, 20), ``order`` (``desc``,
+    the default, or ``asc``) and ``after`` (an item id: the items past it in that order)."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise ApiError(400, "limit must be an integer from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise ApiError(400, f"no input item with id '{after}'", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0].get("id") if page else None,
+        "last_id": page[-1].get("id") if page else None,
+        "has_more": len(ordered) > limit,
+    }
+
+
 def _json_safe(value: Any) -> Any:
     """``value`` with every float JSON cannot hold (NaN, infinities) as null, as pydantic writes them:
     the Response echoes ``text`` whole, and the request's checks read only its ``format``."""
@@ -145,9 +176,32 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def new_ids() -> tuple[str, str]:
-    """A response's id and its message's."""
-    return f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+ITEM_ID_PREFIXES = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}
+
+
+def input_items(value: Any) -> Any:
+    """``input`` as the items the store keeps and lists, as OpenAI lists them: a string as one user
+    message, each item with its ``type`` and an ``id``, a message's text as a list of parts; anything
+    else as it is, for :func:`chat_body`'s checks to reject."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        return value
+    items = []
+    for item in value:
+        if isinstance(item, dict):
+            kind = item.get("type", "message")
+            item = {"id": ITEM_ID_PREFIXES.get(kind, "item_") + uuid.uuid4().hex, **item}
+            item["type"] = kind
+            if kind == "message" and isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+        items.append(item)
+    return items
 
 
 def _status(finish_reason: str | None) -> tuple[str, dict[str, str] | None]:
@@ -214,6 +268,7 @@ def response(
     output: list[dict[str, Any]] | None = None,
     incomplete: dict[str, str] | None = None,
     usage_: dict[str, Any] | None = None,
+    stored: bool = False,
 ) -> dict[str, Any]:
     """A Response object: the request's settings echoed, as OpenAI's are (``text`` and ``tools`` with
     any NaN as null: JSON has none, and the checks read only parts of them)."""
@@ -235,7 +290,8 @@ def response(
         "tool_choice": _json_safe(request.get("tool_choice") or "auto"),
         "tools": _json_safe(request.get("tools") or []),
         "text": _json_safe(request.get("text") or {"format": {"type": "text"}}),
-        "store": False,
+        "previous_response_id": request.get("previous_response_id"),
+        "store": stored,
         "background": False,
         "usage": usage_,
     }
@@ -250,6 +306,7 @@ def final_response(
     outputs: list,
     text: str,
     calls: list[dict[str, Any]],
+    stored: bool = False,
 ) -> dict[str, Any]:
     """The finished Response of ``outputs`` (one choice) whose answer is ``text`` and the function
     call items ``calls``: a message where there is text or no call, then the calls."""
@@ -264,6 +321,7 @@ def final_response(
         output=items + calls,
         incomplete=incomplete,
         usage_=usage(outputs),
+        stored=stored,
     )
 
 

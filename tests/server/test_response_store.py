@@ -1,0 +1,145 @@
+"""Kept Responses (``server/response_store.py``) on a live server, through the official ``openai``
+client: ``previous_response_id`` continues a conversation exactly as sending it whole does,
+``GET``/``DELETE /v1/responses/{id}`` and its input items; and the store's bound (an agent loop
+continued by ``previous_response_id`` is in test_structured.py, whose server has a tool template)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from plaserve.launcher import ServerProcess
+from plaserve.server.response_store import ResponseStore
+
+from .conftest import BASE_ARGS
+
+SEED = {
+    "seed": 5,
+    "ignore_eos": True,
+}  # sampled: the tiny checkpoint's greedy chat is special tokens
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _ask(client: openai.OpenAI, **kw: object):
+    return client.responses.create(
+        model=_model(client), max_output_tokens=6, temperature=1.0, extra_body=SEED, **kw
+    )
+
+
+def _as_input(items: list) -> list[dict]:
+    """Output items as a client sends them back in ``input``."""
+    return [item.model_dump(exclude_none=True) for item in items]
+
+
+def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = _ask(client, instructions="Be brief.", input="Tell me about foxes")
+    assert first.store is True and first.previous_response_id is None
+    second = _ask(client, previous_response_id=first.id, input="And about wolves?")
+    assert second.previous_response_id == first.id
+    # the same conversation sent whole; the first turn's instructions are not carried (as OpenAI)
+    whole = _ask(
+        client,
+        input=[
+            {"role": "user", "content": "Tell me about foxes"},
+            *_as_input(first.output),
+            {"role": "user", "content": "And about wolves?"},
+        ],
+    )
+    assert second.output_text == whole.output_text
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    # a third turn continues the second, which holds the first
+    third = _ask(client, previous_response_id=second.id, input="Which is larger?")
+    items = client.responses.input_items.list(third.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [
+        ("message", r) for r in ["user", "assistant"] * 2
+    ] + [("message", "user")]
+
+
+def test_kept_responses_are_retrieved_listed_and_deleted(client: openai.OpenAI) -> None:
+    resp = _ask(client, input=[{"role": "user", "content": f"turn {i}"} for i in range(5)])
+    assert client.responses.retrieve(resp.id).model_dump() == resp.model_dump()
+    with client.responses.stream(
+        model=_model(client), input="streamed", max_output_tokens=4, extra_body=SEED
+    ) as events:
+        streamed = events.get_final_response()
+    assert streamed.store and client.responses.retrieve(streamed.id).output_text == (
+        streamed.output_text
+    )
+    # input items: newest first by default; limit, order and after page through them
+    page = client.responses.input_items.list(resp.id, limit=2)
+    assert [i.content[0].text for i in page.data] == ["turn 4", "turn 3"] and page.has_more
+    rest = client.responses.input_items.list(resp.id, limit=10, after=page.last_id)
+    assert [i.content[0].text for i in rest.data] == ["turn 2", "turn 1", "turn 0"]
+    assert not rest.has_more
+    asc = client.responses.input_items.list(resp.id, order="asc", limit=1)
+    assert asc.data[0].content[0].text == "turn 0" and asc.first_id == asc.last_id
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(resp.id, limit=0)
+    # deleted: gone for GET and for previous_response_id
+    client.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(resp.id)
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, previous_response_id=resp.id, input="more")
+    assert info.value.body["code"] == "previous_response_not_found"
+    assert info.value.body["param"] == "previous_response_id"
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI, server: ServerProcess) -> None:
+    before = httpx.get(f"{server.url}/load").json()["responses"]
+    resp = _ask(client, input="not kept", store=False)
+    assert resp.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(resp.id)
+    after = httpx.get(f"{server.url}/load").json()["responses"]
+    assert after["stored"] == before["stored"] and resp.id.startswith(after["id_prefix"])
+    for bad in ({"store": "yes"}, {"previous_response_id": 3}):
+        r = httpx.post(f"{server.url}/v1/responses", json={"input": "x", **bad})
+        assert r.status_code == 422 and r.json()["error"]["param"] == next(iter(bad))
+
+
+def test_a_server_that_keeps_nothing(qwen2_ckpt: str) -> None:
+    with ServerProcess([qwen2_ckpt, *BASE_ARGS, "--response-store-mib", "0"]) as proc:
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", max_retries=0)
+        resp = _ask(client, input="hello")
+        assert resp.store is False
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(resp.id)
+        with pytest.raises(openai.BadRequestError) as info:
+            _ask(client, previous_response_id=resp.id, input="more")
+        assert "--response-store-mib 0" in info.value.body["message"]
+        assert httpx.get(f"{proc.url}/load").json()["responses"]["max_bytes"] == 0
+
+
+def _response(rid: str, text: str) -> dict:
+    return {"id": rid, "output": [{"type": "message", "role": "assistant", "content": text}]}
+
+
+def test_the_store_forgets_the_least_recently_used_within_its_bound() -> None:
+    one = _response("resp_a", "x" * 100)
+    size = ResponseStore(10**6)
+    assert size.put(one, [])
+    per = size.bytes  # one entry's JSON size
+    store = ResponseStore(3 * per)
+    for rid in ("resp_a", "resp_b", "resp_c"):
+        assert store.put(_response(rid, "x" * 100), [])
+    assert store.get("resp_a") is not None  # now the most recently used
+    assert store.put(_response("resp_d", "x" * 100), [])
+    assert store.get("resp_b") is None and store.get("resp_a") is not None
+    assert store.bytes == 3 * per and store.evicted == 1
+    assert not store.put(_response("resp_e", "x" * 10 * per), [])  # larger than the whole store
+    assert store.describe()["stored"] == 3
+    assert store.delete("resp_a") and not store.delete("resp_a") and store.bytes == 2 * per
+    # put again under the same id replaces the entry
+    assert store.put(_response("resp_c", "x" * 100), []) and store.bytes == 2 * per
+    conversation = store.get("resp_c").conversation()
+    assert conversation == _response("resp_c", "x" * 100)["output"]
+    assert ResponseStore(0).put(one, []) is False
+    with pytest.raises(ValueError):
+        ResponseStore(-1)
