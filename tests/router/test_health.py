@@ -11,7 +11,7 @@ from aiohttp import web
 from plaserve.cost import CostModel
 from plaserve.launcher import free_port
 from plaserve.router.config import BreakerConfig, HealthConfig
-from plaserve.router.health import WorkerMonitor, parse_age
+from plaserve.router.health import WorkerMonitor, parse_age, parse_response_prefix
 from plaserve.router.workers import Worker
 
 
@@ -65,3 +65,11 @@ def test_poll_dates_the_report_back_by_its_age():
     assert (w.load.sent, w.load.received) == (pytest.approx(9.75), pytest.approx(9.75))
     # 1.5 s reported, 0.25 s of it worked off since the state was taken, plus the request it cannot hold.
     assert w.backlog(10.0) == pytest.approx(1.5 - 0.25 + 0.2)
+
+
+def test_a_workers_response_prefix_is_read_only_where_it_keeps_responses() -> None:
+    kept = {"responses": {"id_prefix": "resp_0123456789ab", "max_bytes": 1024}}
+    assert parse_response_prefix(kept) == "resp_0123456789ab"
+    assert parse_response_prefix({"responses": {**kept["responses"], "max_bytes": 0}}) is None
+    for odd in ({}, {"responses": None}, {"responses": {"id_prefix": "resp_", "max_bytes": 9}}):
+        assert parse_response_prefix(odd) is None  # vLLM's /load, or a prefix naming no store

@@ -368,6 +368,26 @@ def test_router_pd_equals_colocated_with_the_openai_client(
         deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
         final = events.get_final_response()
     assert "".join(deltas) == final.output_text == ref.output_text
+    # the decode worker keeps the Response: a follow-up runs whole there, as the conversation sent
+    # whole runs on any worker
+    follow = client.responses.create(
+        model="qwen20",
+        previous_response_id=got.id,
+        input="And wolves?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    history = [{"role": "user", "content": "Tell me about foxes"}]
+    history += [item.model_dump(exclude_none=True) for item in got.output]
+    whole = ref_client.responses.create(
+        model="qwen20",
+        input=[*history, {"role": "user", "content": "And wolves?"}],
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert follow.output_text == whole.output_text
+    assert follow.usage.input_tokens == whole.usage.input_tokens
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
     # Logprobs do not travel through PD: the router runs such a request whole on a decode worker.
     with_logprobs = client.completions.create(
         model="qwen20", prompt="Hello", max_tokens=3, temperature=0, logprobs=1

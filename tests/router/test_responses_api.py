@@ -1,5 +1,6 @@
 """OpenAI's Responses API through the router: priced by its conversation, streamed on at the first
-text, the worker's answer passed on unchanged."""
+text, the worker's answer passed on unchanged; a Response that continues a kept one sent to the worker
+that keeps it, and kept ones read and deleted there."""
 
 from __future__ import annotations
 
@@ -18,13 +19,23 @@ KW = {
 }
 
 
+WORKER_ARGS = ["--kv-cache-memory", "16MiB", "--no-compile"]
+
+
 @pytest.fixture(scope="module")
-def worker_and_router(qwen2_ckpt: str):
+def workers_and_router(qwen2_ckpt: str):
     with (
-        ServerProcess([qwen2_ckpt, "--kv-cache-memory", "16MiB", "--no-compile"]) as worker,
-        RouterProcess([worker.url]) as router,
+        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as worker,
+        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as other,
+        RouterProcess([worker.url, other.url]) as router,
     ):
-        yield worker, router
+        yield [worker, other], router
+
+
+@pytest.fixture(scope="module")
+def worker_and_router(workers_and_router):
+    workers, router = workers_and_router
+    return workers[0], router
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -47,3 +58,31 @@ def test_responses_through_the_router_are_the_worker_answers(worker_and_router) 
     metrics = httpx.get(f"{router.url}/metrics").text
     assert 'plaserve_router_requests_total{route="/v1/responses",status="200"} 2.0' in metrics
     assert 'method="worker"' in metrics
+
+
+def test_kept_responses_are_found_on_the_worker_that_keeps_them(workers_and_router) -> None:
+    """Two workers: each follow-up (``previous_response_id``) and each read of a kept Response goes to
+    the worker whose store holds it, which the id's prefix names (the workers' ``/load``)."""
+    workers, router = workers_and_router
+    routed = _client(router.url)
+    model = routed.models.list().data[0].id
+    kw = {"model": model, "max_output_tokens": 4, "extra_body": {"seed": 3, "ignore_eos": True}}
+    prefixes = {httpx.get(f"{w.url}/load").json()["responses"]["id_prefix"] for w in workers}
+    assert len(prefixes) == 2
+    chains = []
+    for i in range(4):  # conversations begun on each worker, continued through the router
+        resp = _client(workers[i % 2].url).responses.create(input=f"conversation {i}", **kw)
+        for turn in range(3):
+            resp = routed.responses.create(previous_response_id=resp.id, input=f"turn {turn}", **kw)
+        chains.append(resp)
+    holders = {next(p for p in prefixes if r.id.startswith(p)) for r in chains}
+    for resp in chains:
+        assert routed.responses.retrieve(resp.id).output_text == resp.output_text
+        items = routed.responses.input_items.list(resp.id, order="asc").data
+        assert len(items) == 7 and items[0].content[0].text.startswith("conversation")
+        routed.responses.delete(resp.id)
+        with pytest.raises(openai.NotFoundError):
+            routed.responses.retrieve(resp.id)
+    with pytest.raises(openai.NotFoundError):  # an id no worker's prefix names
+        routed.responses.retrieve("resp_unknown")
+    assert holders == prefixes

@@ -57,6 +57,16 @@ def parse_age(load: dict[str, Any]) -> float:
     return float(age)
 
 
+def parse_response_prefix(load: dict[str, Any]) -> str | None:
+    """How the ids of the Responses a worker keeps begin (its ``/load``'s ``responses``), or None
+    where it keeps none (its store is off, or it is no plaserve worker)."""
+    store = load.get("responses")
+    if not isinstance(store, dict) or not store.get("max_bytes"):
+        return None
+    prefix = store.get("id_prefix")
+    return prefix if isinstance(prefix, str) and len(prefix) > len("resp_") else None
+
+
 class WorkerMonitor:
     """Runs the health and load loops over a changing set of workers."""
 
@@ -134,6 +144,7 @@ class WorkerMonitor:
         # sent since then count as not in it.
         age = parse_age(body)
         worker.load = LoadReport(backlog, sent - age, self._clock() - age, n)
+        worker.response_prefix = parse_response_prefix(body)
         self._on_load(worker, body)
 
     def record_check(self, worker: Worker, ok: bool) -> bool:

@@ -17,7 +17,8 @@ or has no room is replaced by another with the same parked KV; a pull that fails
 the prefill worker died or the KV expired) re-runs the prefill on another prefill worker. After the
 first byte a failing decode worker ends the stream with an error event, as the colocated router does.
 
-Requests PD does not carry (logprobs, several prompts) run whole on a decode worker.
+Requests PD does not carry (logprobs, several prompts) run whole on a decode worker; a Response
+that continues a kept one (``previous_response_id``) runs whole on the decode worker that keeps it.
 """
 
 from __future__ import annotations
@@ -176,14 +177,21 @@ async def generate_pd(
     job: Job,
     headers: dict[str, str],
     check: HintCheck | None = None,
+    holder: Worker | None = None,
 ) -> web.StreamResponse:
     """Route one generation request through a prefill worker and a decode worker (module doc);
-    ``check`` (a length hint's) is measured on the prefill leg's usage."""
+    ``check`` (a length hint's) is measured on the prefill leg's usage. ``holder``: the decode worker
+    that keeps the Response this one continues, which then runs it whole."""
     from plaserve.router.proxy import NoWorkerError, _Failure
 
     tier = router.decode_tier
     assert tier is not None
     stream = body.get("stream") is True
+    if holder is not None and holder.url in tier.workers:
+        others = {url for url in tier.workers if url != holder.url}
+        return await _decode_leg_with_retries(
+            router, request, path, json.dumps(body).encode(), headers, stream, job, others
+        )
     if not pd_capable(body):
         return await _decode_leg_with_retries(
             router, request, path, json.dumps(body).encode(), headers, stream, job
@@ -338,11 +346,13 @@ async def _decode_leg_with_retries(
     headers: dict[str, str],
     stream: bool,
     job: Job,
+    exclude: set[str] | None = None,
 ) -> web.StreamResponse:
-    """A request PD does not carry, whole on a decode worker (retried on others before its first byte)."""
+    """A request PD does not carry, whole on a decode worker not in ``exclude`` (retried on others
+    before its first byte)."""
     tier = router.decode_tier
     assert tier is not None
-    tried: set[str] = set()
+    tried: set[str] = set(exclude or ())
     failure = None
     for _ in range(router.config.max_attempts):
         worker = tier.choose(tried)

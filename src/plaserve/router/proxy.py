@@ -296,10 +296,12 @@ class Router:
         check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
         job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
         headers = forwarded(request_headers(request.headers), used=hint is not None)
+        # a Response that continues a kept one runs where that one is kept (plaserve workers)
+        owner = self._response_holder(body.get("previous_response_id"))
         if self.decode_tier is not None:
-            return await generate_pd(self, request, path, body, job, headers, check)
+            return await generate_pd(self, request, path, body, job, headers, check, owner)
         stream = body.get("stream") is True
-        tried: set[str] = set()
+        tried = {url for url in self.workers if owner is not None and url != owner.url}
         failure: _Failure | None = None
         for attempt in range(self.config.max_attempts):
             rid = next(self._rids)
@@ -322,6 +324,46 @@ class Router:
                 path, 503, error_json(503, "no worker available"), {"Retry-After": "1"}
             )
         return self._reply(path, failure.status, failure.body, failure.headers)
+
+    def _response_holder(self, rid: Any) -> Worker | None:
+        """The worker that keeps the Response ``rid`` (its id begins with the prefix the worker's
+        ``/load`` reports), or None (not a plaserve worker's, or not an id)."""
+        if not isinstance(rid, str):
+            return None
+        tiers = [self.workers, self.decode_tier.workers if self.decode_tier is not None else {}]
+        for w in (w for tier in tiers for w in tier.values()):
+            if w.response_prefix is not None and rid.startswith(w.response_prefix):
+                return w
+        return None
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET .../input_items``: asked of the worker
+        that keeps the Response, else (ids of other servers) of each worker in turn until one has it."""
+        route = "/v1/responses/{id}"
+        rid = request.match_info["response_id"]
+        holder = self._response_holder(rid)
+        now = self._clock()
+        if holder is not None:
+            candidates = [holder]
+        else:
+            candidates = self.dispatcher.available(now)
+            if self.decode_tier is not None:
+                candidates += self.decode_tier.available()
+        headers = request_headers(request.headers)
+        timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_s * 4)
+        for worker in candidates:
+            try:
+                async with self.session.request(
+                    request.method, worker.url + request.path_qs, headers=headers, timeout=timeout
+                ) as r:
+                    data = await r.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                if holder is not None:
+                    return self._reply(route, 502, error_json(502, f"{worker.url}: {e!r}"))
+                continue
+            if r.status != 404 or holder is not None:
+                return self._reply(route, r.status, data, response_headers(r.headers))
+        return self._reply(route, 404, error_json(404, f"Response with id '{rid}' not found."))
 
     def _hint(
         self, request: web.Request, path: str, body: dict[str, Any]
@@ -660,6 +702,9 @@ def build_app(router: Router) -> web.Application:
     app.router.add_post("/v1/completions", router.generate)
     app.router.add_post("/v1/chat/completions", router.generate)
     app.router.add_post("/v1/responses", router.generate)
+    for method in ("GET", "DELETE"):
+        app.router.add_route(method, "/v1/responses/{response_id}", router.stored_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", router.stored_response)
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_route)

@@ -75,6 +75,7 @@ class Worker:
         self.load: LoadReport | None = None
         self.supports_load: bool | None = None  # None: not asked yet
         self.supports_tokenize: bool | None = None
+        self.response_prefix: str | None = None  # the ids of the Responses it keeps (its /load)
         self.health_path = (
             "/health"  # becomes /v1/models for servers with only the OpenAI endpoints
         )
