@@ -150,6 +150,26 @@ def test_responses_api_through_the_ingress(client: openai.OpenAI) -> None:
     assert final.usage.output_tokens == 5
 
 
+def test_kept_responses_are_continued_on_the_replica_that_keeps_them(client: openai.OpenAI) -> None:
+    """Conversations begun at once land on both replicas; each follow-up (``previous_response_id``)
+    and each read of a kept Response reaches the replica that keeps it (else: a 400 or 404)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = client.models.list().data[0].id
+    kw = {"model": model, "max_output_tokens": 3, "extra_body": {"ignore_eos": True}}
+    with ThreadPoolExecutor(6) as pool:
+        first = list(pool.map(lambda i: client.responses.create(input=f"chat {i}", **kw), range(6)))
+    assert len({r.id[:17] for r in first}) == 2  # resp_ and a 12-digit store tag: both replicas
+    for resp in first:
+        for turn in range(2):
+            resp = client.responses.create(previous_response_id=resp.id, input=f"t{turn}", **kw)
+        assert client.responses.retrieve(resp.id).output_text == resp.output_text
+        assert len(client.responses.input_items.list(resp.id).data) == 5
+        client.responses.delete(resp.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(resp.id)
+
+
 def test_a_gateways_length_hint_prices_the_request_through_ray(
     app_url: str, client: openai.OpenAI
 ) -> None:

@@ -16,7 +16,9 @@ event and ``[DONE]`` (the client sees a clean error, never a hang). With no repl
 503.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
-(``stream: true`` passed through chunk by chunk), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
+(``stream: true`` passed through chunk by chunk; a follow-up's ``previous_response_id`` sent to the
+replica that keeps the Response it continues), ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET
+/v1/responses/{id}/input_items`` (on that replica), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
 request router's counters: routing decisions by replica and class, held requests, the short pool).
 """
 
@@ -48,6 +50,7 @@ from plaserve.router.pools import LONG, SHORT
 log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+STORED = "/v1/responses/"  # kept Responses: GET / DELETE {id}, GET {id}/input_items
 # The replica is gone or could not take the call: try the next one. ReplicaError comes back from a
 # replica whose server stopped answering; Ray wraps it, so it is matched by name as well.
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaError)
@@ -88,6 +91,8 @@ class OpenAIIngress:
         if method == "GET" and path == "/v1/models":
             status, body = await self.workers.models.remote()
             return JSONResponse(body, status_code=status)
+        if path.startswith(STORED):
+            return await self.stored(request, path, method)
         if path not in ROUTES:
             return _error(404, f"no route {method} {path}")
         if method != "POST":
@@ -105,6 +110,8 @@ class OpenAIIngress:
             self.metrics.requests.labels(path, "400").inc()
             return _error(400, str(e))
         headers = forwarded(request_headers(dict(request.headers)), used=check is not None)
+        if path == "/v1/responses" and isinstance(body.get("previous_response_id"), str):
+            job["response_id"] = body["previous_response_id"]  # to the replica that keeps it
         arrival = time.monotonic()
         attempt_once = self._try_stream if body.get("stream") else self._try_whole
         last: BaseException | None = None
@@ -121,6 +128,23 @@ class OpenAIIngress:
         return _error(
             503, f"no replica could serve the request ({self.max_attempts} tried): {last}"
         )
+
+    async def stored(self, request: Request, path: str, method: str) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET .../input_items``, asked of the replica
+        that keeps the Response (the request router finds it by the id's prefix)."""
+        parts = path[len(STORED) :].split("/")
+        if not parts[0] or parts[1:] not in ([], ["input_items"]):
+            return _error(404, f"no route {method} {path}")
+        allowed = ("GET", "DELETE") if len(parts) == 1 else ("GET",)
+        if method not in allowed:
+            return _error(405, f"{path} takes {' or '.join(allowed)}, not {method}")
+        target = path + (f"?{request.url.query}" if request.url.query else "")
+        headers = request_headers(dict(request.headers))
+        status, body = await self.workers.stored.remote(
+            method, target, headers, response_id=parts[0]
+        )
+        self.metrics.requests.labels(STORED + "{id}", str(status)).inc()
+        return JSONResponse(body, status_code=status)
 
     async def price(
         self, path: str, body: dict[str, Any], headers: Mapping[str, str], peer: str | None

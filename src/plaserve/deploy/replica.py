@@ -34,10 +34,19 @@ from typing import Any, AsyncIterator
 import httpx
 
 from plaserve.launcher import ServerProcess
+from plaserve.router.health import parse_response_prefix
 
 
 class ReplicaError(RuntimeError):
     """The replica's server could not be reached (it died, or is restarting)."""
+
+
+def _answer(r: httpx.Response) -> tuple[int, Any]:
+    """A whole answer as ``(status, JSON body)`` (a body that is not JSON as a server error's)."""
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {"error": {"message": r.text, "type": "server_error"}}
 
 
 class PlaserveReplica:
@@ -102,10 +111,7 @@ class PlaserveReplica:
             r = await self.client.post(path, json=body, headers=headers)
         except httpx.TransportError as e:
             raise ReplicaError(f"worker {self.server.url} did not answer: {e!r}") from None
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, {"error": {"message": r.text, "type": "server_error"}}
+        return _answer(r)
 
     async def stream(
         self, path: str, body: dict[str, Any], headers: dict[str, str], **job: Any
@@ -126,6 +132,17 @@ class PlaserveReplica:
                     yield chunk
         except httpx.TransportError as e:
             raise ReplicaError(f"worker {self.server.url} broke off: {e!r}") from None
+
+    async def stored(
+        self, method: str, path: str, headers: dict[str, str], **job: Any
+    ) -> tuple[int, Any]:
+        """``GET`` / ``DELETE`` of a kept Response (``path``: ``/v1/responses/{id}[/input_items]``
+        with its query): ``(status, JSON body)``. ``job`` is for the request router."""
+        try:
+            r = await self.client.request(method, path, headers=headers)
+        except httpx.TransportError as e:
+            raise ReplicaError(f"worker {self.server.url} did not answer: {e!r}") from None
+        return _answer(r)
 
     async def models(self) -> tuple[int, Any]:
         """The server's ``/v1/models``."""
@@ -151,6 +168,7 @@ class PlaserveReplica:
             "kv_utilization": float(load.get("kv", {}).get("utilization", 0.0)),
             "cost_model": load.get("cost_model"),
             "short_threshold": load.get("short_threshold"),
+            "response_prefix": parse_response_prefix(load),
             # When the state described was current, on this machine's wall clock (the router's
             # clock is the wall clock too: Ray's processes may run on different machines).
             "as_of": time.time() - float(load.get("age_s", 0.0)),

@@ -32,6 +32,8 @@ the router for ever.
 ``job_id`` names it in the ingress's first-token notice (:mod:`plaserve.deploy.notices`), on which
 its prefill leaves the backlog, as at a first token in ``plaserve route`` (Ray itself reports only
 completion). A call without them is priced as one token and leaves the backlog at completion.
+``response_id`` (a Response that continues a kept one, or a read of one) sends the call to the
+replica whose server keeps that Response, known by the id's prefix in its routing stats.
 
 The decisions are counted in the process's registry (:func:`plaserve.deploy.metrics.deploy_metrics`),
 which the ingress serves on its ``/metrics``. Ray pickles this module *by value* into the process
@@ -137,6 +139,8 @@ class PlaRequestRouter(RequestRouter):
         model = cost_model_from_dict(stats.get("cost_model"), source="replica")
         if model is not None:
             w.cost_model, w.reports_cost = model, True
+        prefix = stats.get("response_prefix")
+        w.response_prefix = prefix if isinstance(prefix, str) else None
         report = report_from_stats(stats, time.time(), now)
         if report is not None and (w.load is None or report.received > w.load.received + 1e-6):
             w.load = report
@@ -196,7 +200,8 @@ class PlaRequestRouter(RequestRouter):
         rid = pending_request.metadata.internal_request_id if pending_request else None
         self._unreserve(rid)  # a request chosen for before and not sent: choose afresh
         self.policy.tick(workers, now)
-        chosen = self.policy.choose(job, workers, now)
+        holder = _holder(pending_request, workers)
+        chosen = holder or self.policy.choose(job, workers, now)
         if chosen is None:
             if now - job.arrival < self.max_hold_s:
                 self.metrics.held.inc()
@@ -220,7 +225,8 @@ class PlaRequestRouter(RequestRouter):
                 self.metrics.report_age.labels(w.url).set(now - w.load.received)
         self.metrics.short_pool.set(self.policy.pools.reserved(now))
         self.metrics.decision.observe(time.perf_counter() - start)
-        return [[by_worker[id(w)]] for w in (chosen, *rest)]
+        ranks = [chosen] if holder is not None else [chosen, *rest]
+        return [[by_worker[id(w)]] for w in ranks]
 
     def _unreserve(self, rid: str | None) -> None:
         entry = self._jobs.get(rid) if rid is not None else None
@@ -279,6 +285,18 @@ class PlaRequestRouter(RequestRouter):
         w = self.workers.get(replica_id)
         if w is not None:
             w.finish(internal_request_id, ok=True, now=time.monotonic())
+
+
+def _holder(pending: Optional[PendingRequest], workers: list[Worker]) -> Worker | None:
+    """The replica that keeps the Response the request names (the ``response_id`` keyword: a
+    follow-up's ``previous_response_id``, or a read of a kept Response), by the id's prefix its
+    server reports; None where no replica's prefix matches."""
+    rid = pending.kwargs.get("response_id") if pending is not None else None
+    if not isinstance(rid, str):
+        return None
+    return next(
+        (w for w in workers if w.response_prefix and rid.startswith(w.response_prefix)), None
+    )
 
 
 @dataclass
