@@ -9,6 +9,7 @@ them with ``plaserve bench``).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,9 +38,30 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out by itself (to outgoing connections, and to binds of port 0)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 right now."""
-    with socket.socket() as s:
+    """A TCP port that is free on 127.0.0.1 right now, chosen below the kernel's ephemeral range: the
+    child that will bind it does so seconds later, and meanwhile every outgoing connection and every
+    bind of port 0 (a KV transfer service) takes an ephemeral port, which could be this one."""
+    low, _ = _ephemeral_range()
+    start = max(1024, low - 12000)
+    for _ in range(100 if start < low else 0):
+        port = random.randrange(start, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is taken: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
