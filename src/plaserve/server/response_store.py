@@ -3,9 +3,9 @@ items and ``previous_response_id`` (docs/SERVER.md).
 
 Each Response is kept with the whole conversation that went into it (its input items, those of the
 responses it continued first), so a follow-up reads one entry however long the chain; the store holds
-at most ``max_bytes`` of JSON and forgets the least recently used Responses first, so a server that
-answers for weeks does not grow without bound (vLLM's store keeps everything until restart, which is
-why it is off there by default).
+at most ``max_bytes`` of JSON text (characters) and forgets the least recently used Responses first,
+so a server that answers for weeks does not grow without bound (vLLM's store keeps everything until
+restart, which is why it is off there by default).
 
 Ids carry the store's ``tag`` (``resp_<tag><random>``), and ``/load`` reports it, so a router finds
 the worker that holds a Response from its id alone (plaserve.router.proxy).
@@ -25,15 +25,32 @@ TAG_CHARS = 12  # hex digits of a store's tag in its ids
 
 @dataclass(frozen=True)
 class Stored:
-    """One kept Response and the input items it answered (the conversation before its output)."""
+    """One kept Response and the input items it answered (the conversation before its output), kept
+    as JSON text: a Python dict of it takes several times its size, and it is read back rarely."""
 
-    response: dict[str, Any]
-    input_items: list[dict[str, Any]]
-    size: int  # bytes of JSON, as counted against the store's bound
+    response_json: str
+    items_json: str
+
+    @property
+    def size(self) -> int:
+        """Characters of JSON, as counted against the store's bound."""
+        return len(self.response_json) + len(self.items_json)
+
+    @property
+    def response(self) -> dict[str, Any]:
+        return json.loads(self.response_json)
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        return json.loads(self.items_json)
 
     def conversation(self) -> list[dict[str, Any]]:
         """What a follow-up continues: the input items, then the Response's output items."""
         return [*self.input_items, *self.response["output"]]
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class ResponseStore:
@@ -64,12 +81,12 @@ class ResponseStore:
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> bool:
         """Keep ``response`` (by its ``id``) with the items it answered; False where it alone is larger
         than the whole store (then nothing is kept)."""
-        size = len(json.dumps(response)) + len(json.dumps(input_items))
-        if not self.enabled or size > self.max_bytes:
+        entry = Stored(_compact(response), _compact(input_items))
+        if not self.enabled or entry.size > self.max_bytes:
             return False
         self.delete(response["id"])
-        self._entries[response["id"]] = Stored(response, input_items, size)
-        self.bytes += size
+        self._entries[response["id"]] = entry
+        self.bytes += entry.size
         while self.bytes > self.max_bytes:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.size
