@@ -99,6 +99,11 @@ def test_store_false_keeps_nothing(client: openai.OpenAI, server: ServerProcess)
         client.responses.retrieve(resp.id)
     after = httpx.get(f"{server.url}/load").json()["responses"]
     assert after["stored"] == before["stored"] and resp.id.startswith(after["id_prefix"])
+    metrics = httpx.get(f"{server.url}/metrics").text  # the engine's metrics and the store's
+    assert f"plaserve_response_store_responses {float(after['stored'])}" in metrics
+    assert f"plaserve_response_store_bytes {float(after['bytes'])}" in metrics
+    assert "plaserve_response_store_evictions_total 0.0" in metrics
+    assert "plaserve_kv_blocks_used" in metrics
     for bad in ({"store": "yes"}, {"previous_response_id": 3}):
         r = httpx.post(f"{server.url}/v1/responses", json={"input": "x", **bad})
         assert r.status_code == 422 and r.json()["error"]["param"] == next(iter(bad))

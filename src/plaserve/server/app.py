@@ -44,6 +44,7 @@ from plaserve.server.generation import (
     Generation,
     until_disconnect,
 )
+from plaserve.server.metrics import ResponseStoreCollector, render_collector
 from plaserve.server.pd import PDWorker, check_pd_request, parse_kv_transfer_params
 from plaserve.server.prompts import (
     ModelLimits,
@@ -103,6 +104,7 @@ class _Handlers:
         facts = engine_loop.facts
         self.pd = pd
         self.store = response_store or ResponseStore(0)  # /v1/responses' kept answers
+        self._store_metrics = ResponseStoreCollector(self.store.describe)
         # --generation-config: the model's defaults for fields a request leaves out; its
         # max_new_tokens caps the max_tokens an endpoint picks by itself
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -694,6 +696,7 @@ class _Handlers:
             exposition = await self.loop.render_metrics()
         except EngineStoppedError as e:
             raise ApiError(503, str(e)) from None
+        exposition += render_collector(self._store_metrics)
         return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     async def load(self, request: Request) -> Response:

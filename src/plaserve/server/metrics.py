@@ -271,6 +271,38 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+class ResponseStoreCollector(Collector):
+    """The Response store's size and evictions (:class:`~plaserve.server.response_store.ResponseStore`;
+    ``describe`` is its ``describe``). It lives with the HTTP handlers, not the engine, so the server
+    adds its exposition to the engine's."""
+
+    def __init__(self, describe: Callable[[], dict[str, Any]]) -> None:
+        self._read = describe  # not ``describe``: the registry would take it for the collector's
+
+    def collect(self) -> Iterator[Metric]:
+        d = self._read()
+        yield GaugeMetricFamily(
+            "plaserve_response_store_responses",
+            "Responses kept for GET and follow-ups",
+            d["stored"],
+        )
+        yield GaugeMetricFamily(
+            "plaserve_response_store_bytes", "JSON characters the kept Responses take", d["bytes"]
+        )
+        yield CounterMetricFamily(
+            "plaserve_response_store_evictions",
+            "Responses forgotten to stay within --response-store-mib",
+            d["evicted"],
+        )
+
+
+def render_collector(collector: Collector) -> bytes:
+    """The text exposition of one collector alone."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)
+
+
 class EngineCollector(Collector):
     """Gauges and engine counters from the latest snapshot (see :class:`~plaserve.server.engine_loop.EngineSnapshot`)."""
 
