@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plaserve.engine.sampler import skip_draw
 from plaserve.request import Request, RequestStatus, SamplingParams
 
 if TYPE_CHECKING:
@@ -260,6 +261,8 @@ class KVHandoff:
                     blocks = blocks + [copy]
             # With its grammar matcher, which the first token below advances as any sampled token.
             req = eng.new_request(list(res.token_ids), params, rid, arrival_time)
+            if params.seed is not None and req.generator is not None:
+                skip_draw(req.generator, eng.model_config.vocab_size)  # the first token's draw
             req.block_table = list(blocks)
             req.num_computed_tokens = n
             req.num_committed_blocks = num_full

@@ -131,6 +131,14 @@ def sample(
     return out
 
 
+def skip_draw(generator: torch.Generator, vocab: int) -> None:
+    """Advance ``generator`` past one draw of :func:`sample` over ``vocab`` tokens. What a draw takes
+    of the generator's sequence does not depend on the probabilities, so a seeded request continued
+    on another worker (a decode worker, its first token sampled by the prefill worker) samples the
+    tokens one worker would have."""
+    torch.multinomial(torch.ones(vocab, device=generator.device), 1, generator=generator)
+
+
 def token_logprobs(
     logprobs: torch.Tensor, tokens: Sequence[int], ks: Sequence[int]
 ) -> list[TokenLogprobs]:
