@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
         "request",
         "kv_blocks",
         "json_body",
-        "responses_input",
+        "conversations",
         "plotting",
     },  # requests, blocks, bodies: no model, no torch model
     {"model"},  # the model, its layers and attention backends, tokenizers, weights

@@ -1,13 +1,15 @@
-"""The Responses API's conversation (``instructions`` and ``input``) as chat messages.
+"""The conversations of the two other chat APIs as chat messages: OpenAI's Responses API
+(``instructions`` and ``input``) and Anthropic's Messages API (``system`` and ``messages``).
 
-The server reads a ``/v1/responses`` request into the chat request it means
-(:mod:`plaserve.server.openai_responses`) and the router prices it as that conversation
+The server reads such a request into the chat request it means (:mod:`plaserve.server.openai_responses`,
+:mod:`plaserve.server.anthropic_messages`) and the router prices it as that conversation
 (:mod:`plaserve.router.length`): both read it here, the server answering an :class:`InputError` with
 its status, the router leaving such a body to the worker.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -46,9 +48,9 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """``instructions`` (a system message) and ``input`` (a string: one user message; or message
-    items) as chat messages."""
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Responses request's ``instructions`` (a system message) and ``input`` (a string: one user
+    message; or message items) as chat messages."""
     messages = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -99,3 +101,94 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             )
         messages.append({"role": role, "content": _text_of(item.get("content"), where)})
     return messages
+
+
+# --- Anthropic's Messages API ------------------------------------------------------------------
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InputError(f"{where}: must be a string or an array of text blocks", where, 422)
+    parts = []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        if kind != "text":
+            raise InputError(
+                f"{where}[{i}]: only text blocks are supported here, got {kind!r}", f"{where}[{i}]"
+            )
+        parts.append(_string(block, "text", f"{where}[{i}]"))
+    return "".join(parts)
+
+
+def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """A ``tool_use`` block as chat's tool call (its ``input`` as JSON arguments)."""
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise InputError(f"{where}.input must be an object", f"{where}.input", 422)
+    return {
+        "id": _string(block, "id", where),
+        "type": "function",
+        "function": {"name": _string(block, "name", where), "arguments": json.dumps(arguments)},
+    }
+
+
+def _anthropic_message(message: Any, where: str) -> list[dict[str, Any]]:
+    """One Messages API message as chat messages: its tool results first (``tool`` messages), then
+    its text and calls. An earlier answer's ``thinking`` blocks are left out."""
+    if not isinstance(message, dict):
+        raise InputError(f"{where} must be an object", where, 422)
+    role = message.get("role")
+    if role not in ("user", "assistant", "system"):
+        raise InputError(f"{where}.role must be 'user' or 'assistant', got {role!r}", where)
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise InputError(f"{where}.content must be a string or an array of blocks", where, 422)
+    results, texts, calls = [], [], []
+    for i, block in enumerate(content):
+        at = f"{where}.content[{i}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(_string(block, "text", at))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, at))
+        elif kind == "tool_result" and role == "user":
+            output = _blocks_text(block.get("content", ""), f"{at}.content")
+            results.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(block, "tool_use_id", at),
+                    "content": output,
+                }
+            )
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # reasoning a model wrote before: plaserve's models neither write nor read it
+        else:
+            raise InputError(
+                f"{at}: blocks of type {kind!r} are not supported in a {role} message", at
+            )
+    out = list(results)
+    if calls:
+        # no text: null content, as OpenAI's clients send a call-only turn (and vLLM reads it)
+        out.append({"role": role, "content": "".join(texts) or None, "tool_calls": calls})
+    elif texts or not results:
+        out.append({"role": role, "content": "".join(texts)})
+    return out
+
+
+def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Messages request's ``system`` (a string or text blocks: a system message) and ``messages``
+    (content a string or blocks: ``text``, ``tool_use``, ``tool_result``) as chat messages."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InputError("field 'messages' must be a non-empty array", "messages", 422)
+    out = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _blocks_text(body["system"], "system")})
+    for i, message in enumerate(messages):
+        out += _anthropic_message(message, f"messages[{i}]")
+    return out

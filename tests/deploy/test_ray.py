@@ -21,6 +21,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'plaserve[ray]'")
 
 import aiohttp  # noqa: E402
+import anthropic  # noqa: E402
 import httpx  # noqa: E402
 import openai  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
@@ -148,6 +149,26 @@ def test_responses_api_through_the_ingress(client: openai.OpenAI) -> None:
         final = stream.get_final_response()
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
     assert final.usage.output_tokens == 5
+
+
+def test_anthropic_messages_through_the_ingress(app_url: str) -> None:
+    claude = anthropic.Anthropic(base_url=app_url, api_key="none", max_retries=0, timeout=60)
+    model = httpx.get(f"{app_url}/v1/models").json()["data"][0]["id"]
+    kw = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say something."}],
+        "max_tokens": 5,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = claude.messages.create(**kw)
+    assert whole.stop_reason == "max_tokens" and whole.usage.output_tokens == 5
+    with claude.messages.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.usage.output_tokens == 5
+    count = claude.messages.count_tokens(model=model, messages=kw["messages"])
+    assert count.input_tokens == whole.usage.input_tokens
 
 
 def test_kept_responses_are_continued_on_the_replica_that_keeps_them(client: openai.OpenAI) -> None:

@@ -4,6 +4,7 @@ that keeps it, and kept ones read and deleted there."""
 
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -86,3 +87,30 @@ def test_kept_responses_are_found_on_the_worker_that_keeps_them(workers_and_rout
     with pytest.raises(openai.NotFoundError):  # an id no worker's prefix names
         routed.responses.retrieve("resp_unknown")
     assert holders == prefixes
+
+
+def test_anthropic_messages_through_the_router_are_the_worker_answers(worker_and_router) -> None:
+    """Anthropic's Messages API through the router: priced by its conversation, the stream passed on
+    from its first ``content_block_delta``, the token count answered by a worker."""
+    worker, router = worker_and_router
+    model = _client(worker.url).models.list().data[0].id
+    direct = anthropic.Anthropic(base_url=worker.url, api_key="x", max_retries=0, timeout=60)
+    routed = anthropic.Anthropic(base_url=router.url, api_key="x", max_retries=0, timeout=60)
+    kw = {
+        "model": model,
+        "system": "Answer briefly.",
+        "messages": [{"role": "user", "content": "Hello world! How are you today?"}],
+        "max_tokens": 8,
+        "extra_body": {"temperature": 1.0, "seed": 11, "ignore_eos": True},
+    }
+    want = direct.messages.create(**kw)
+    got = routed.messages.create(**kw)
+    assert got.content[0].text == want.content[0].text and got.stop_reason == "max_tokens"
+    with routed.messages.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == want.content[0].text and kinds[-1] == "message_stop"
+    count = routed.messages.count_tokens(model=model, system=kw["system"], messages=kw["messages"])
+    assert count.input_tokens == want.usage.input_tokens
+    metrics = httpx.get(f"{router.url}/metrics").text
+    assert 'plaserve_router_requests_total{route="/v1/messages",status="200"} 2.0' in metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -85,3 +86,13 @@ def test_full_queue_gets_429_and_recovers(server) -> None:
             time.sleep(0.05)
         resp = http.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         assert resp.status_code == 200, resp.text
+
+
+def test_anthropic_client_sends_the_key_as_x_api_key(server) -> None:
+    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad.messages.count_tokens(model="m", messages=[{"role": "user", "content": "hi"}])
+    good = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+    model = httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+    count = good.messages.count_tokens(model=model, messages=[{"role": "user", "content": "hi"}])
+    assert count.input_tokens > 1

@@ -49,7 +49,13 @@ from plaserve.router.pools import LONG, SHORT
 
 log = logging.getLogger(__name__)
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+ROUTES = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",  # sent to a replica as a request that generates nothing
+)
 STORED = "/v1/responses/"  # kept Responses: GET / DELETE {id}, GET {id}/input_items
 # The replica is gone or could not take the call: try the next one. ReplicaError comes back from a
 # replica whose server stopped answering; Ray wraps it, so it is matched by name as well.

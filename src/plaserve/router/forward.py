@@ -67,13 +67,16 @@ def sse_error(message: str) -> bytes:
     return b"data: " + error_json(502, message) + b"\n\ndata: [DONE]\n\n"
 
 
-# The Responses API's stream events that carry a token, or end an answer that had none to send.
-RESPONSES_TOKEN_EVENTS = frozenset(
+# The typed stream events (OpenAI's Responses API, Anthropic's Messages API) that carry a token, or
+# end an answer that had none to send.
+TOKEN_EVENTS = frozenset(
     {
         "response.output_text.delta",
         "response.function_call_arguments.delta",
         "response.completed",
         "response.incomplete",
+        "content_block_delta",
+        "message_delta",
     }
 )
 
@@ -86,7 +89,7 @@ def _has_token(event: dict[str, Any]) -> bool:
     first token (a client counts it as one), so a completion chunk always counts, and a chat chunk
     counts unless it is the stream's opening ``role`` chunk.
     """
-    if event.get("type") in RESPONSES_TOKEN_EVENTS:
+    if event.get("type") in TOKEN_EVENTS:
         return True
     for choice in event.get("choices") or ():
         if not isinstance(choice, dict):

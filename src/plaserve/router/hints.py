@@ -125,8 +125,9 @@ def relative_error(hint: int, actual: int) -> float:
 
 
 def usage_prompt_tokens(data: bytes) -> int | None:
-    """``usage.prompt_tokens`` of an answer (the Responses API's ``usage.input_tokens``, in the
-    Response itself or in its stream's ``response.completed`` event): a JSON body, or the last event of
+    """``usage.prompt_tokens`` of an answer (the Responses and Messages APIs' ``usage.input_tokens``,
+    in the Response or Message itself, or in its stream's ``response.completed`` or ``message_start``
+    event): a JSON body, or the last event of
     a stream that has a usage (chat and completion streams carry one only with
     ``stream_options.include_usage``); None when there is none."""
     text = data.strip()
@@ -142,7 +143,8 @@ def usage_prompt_tokens(data: bytes) -> int | None:
     for raw in candidates:
         try:
             obj = json.loads(raw)
-            usage = (obj.get("response") or obj).get("usage")
+            outer = obj.get("response") or obj.get("message")  # a Response's, a Message's
+            usage = (outer if isinstance(outer, dict) else obj).get("usage")
         except (ValueError, AttributeError):
             return None
         if not isinstance(usage, dict):

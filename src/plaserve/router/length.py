@@ -23,8 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+from plaserve.conversations import InputError, anthropic_messages, responses_messages
 from plaserve.model.tokenizer import Tokenizer
-from plaserve.responses_input import InputError, chat_messages
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,10 @@ def chat_chars_estimate(messages: list[Any]) -> int:
     return total
 
 
+# The other chat APIs' conversations, read as chat messages (plaserve.conversations).
+CONVERSATIONS = {"/v1/responses": responses_messages, "/v1/messages": anthropic_messages}
+
+
 class LengthEstimator:
     """Estimates prompt lengths by the first method that applies (module docstring)."""
 
@@ -143,10 +147,11 @@ class LengthEstimator:
         self, path: str, body: dict[str, Any], remote: RemoteTokenize | None = None
     ) -> Estimate:
         """Lengths of a generation request's prompts on ``path``: a completion's prompts, or the one
-        conversation of a chat or (read as chat messages) a Responses API request."""
-        if path == "/v1/responses":
+        conversation of a chat, or (read as chat messages) a Responses or Messages API request."""
+        reader = CONVERSATIONS.get(path)
+        if reader is not None:
             try:
-                messages = chat_messages(body)
+                messages = reader(body)
             except InputError:  # the worker will say why
                 return Estimate((1,), "unknown")
             return await self.chat({"model": body.get("model"), "messages": messages}, remote)

@@ -17,7 +17,7 @@ or has no room is replaced by another with the same parked KV; a pull that fails
 the prefill worker died or the KV expired) re-runs the prefill on another prefill worker. After the
 first byte a failing decode worker ends the stream with an error event, as the colocated router does.
 
-Requests PD does not carry (logprobs, several prompts) run whole on a decode worker; a Response
+Requests PD does not carry (logprobs, several prompts, token counts) run whole on a decode worker; a Response
 that continues a kept one (``previous_response_id``) runs whole on the decode worker that keeps it.
 """
 
@@ -47,8 +47,11 @@ log = logging.getLogger(__name__)
 KV_UTILISATION_STEP = 0.1  # decode workers within one step of KV utilisation count as equal
 
 
-def pd_capable(body: dict[str, Any]) -> bool:
-    """Whether a request can run as prefill + decode: one prompt, no logprobs of any kind."""
+def pd_capable(path: str, body: dict[str, Any]) -> bool:
+    """Whether a request can run as prefill + decode: a generation of one prompt, no logprobs of any
+    kind (``/v1/messages/count_tokens`` generates nothing)."""
+    if path.endswith("/count_tokens"):
+        return False
     if body.get("logprobs") not in (None, False) or body.get("prompt_logprobs") is not None:
         return False
     prompt = body.get("prompt")
@@ -192,7 +195,7 @@ async def generate_pd(
         return await _decode_leg_with_retries(
             router, request, path, json.dumps(body).encode(), headers, stream, job, others
         )
-    if not pd_capable(body):
+    if not pd_capable(path, body):
         return await _decode_leg_with_retries(
             router, request, path, json.dumps(body).encode(), headers, stream, job
         )

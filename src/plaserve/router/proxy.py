@@ -276,7 +276,8 @@ class Router:
 
     # --- generation ------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        """Route one ``/v1/completions``, ``/v1/chat/completions`` or ``/v1/responses`` request."""
+        """Route one ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages``
+        request (or a Messages request's ``count_tokens``)."""
         arrival = self._clock()
         path = request.path
         raw = await request.read()
@@ -702,6 +703,9 @@ def build_app(router: Router) -> web.Application:
     app.router.add_post("/v1/completions", router.generate)
     app.router.add_post("/v1/chat/completions", router.generate)
     app.router.add_post("/v1/responses", router.generate)
+    # Anthropic's Messages API; its token count goes to a worker as a request that generates nothing
+    app.router.add_post("/v1/messages", router.generate)
+    app.router.add_post("/v1/messages/count_tokens", router.generate)
     for method in ("GET", "DELETE"):
         app.router.add_route(method, "/v1/responses/{response_id}", router.stored_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", router.stored_response)

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 import plaserve
 from plaserve.request import ParamError, RequestOutput, SamplingParams
+from plaserve.server import anthropic_messages as AM
 from plaserve.server import openai_responses as RA
 from plaserve.server import responses as R
 from plaserve.server.auth import ApiKeyMiddleware
@@ -64,7 +65,7 @@ from plaserve.server.protocol import (
     parse_tokenize_request,
 )
 from plaserve.server.response_store import ResponseStore, Stored
-from plaserve.server.tool_parsers import PARSERS, ToolParser, ToolStream
+from plaserve.server.tool_parsers import PARSERS, CallDelta, ToolParser, ToolStream
 from plaserve.server.tools import (
     delta_json,
     finish_reason,
@@ -324,20 +325,24 @@ class _Handlers:
                 text = text.removesuffix(eos)
         return text
 
-    def _chat_prompt(
-        self, req: ChatRequest, sampling: SamplingParams
-    ) -> tuple[list[int], list[SamplingParams]]:
-        """A chat request's templated, checked prompt and its choices' parameters (``max_tokens``: the
-        request's, else the server's default, else the rest of the context)."""
+    def _chat_ids(self, req: ChatRequest) -> list[int]:
+        """A chat request's templated prompt."""
         template_vars = dict(req.chat_template_kwargs or {})
         if req.tools is not None:
             template_vars["tools"] = list(req.tools.tools)
-        ids = encode_chat(
+        return encode_chat(
             self.tokenizer,
             template_messages(list(req.messages)),
             req.add_generation_prompt,
             **template_vars,
         )
+
+    def _chat_prompt(
+        self, req: ChatRequest, sampling: SamplingParams
+    ) -> tuple[list[int], list[SamplingParams]]:
+        """A chat request's templated, checked prompt and its choices' parameters (``max_tokens``: the
+        request's, else the server's default, else the rest of the context)."""
+        ids = self._chat_ids(req)
         max_tokens = check_prompt(ids, self.limits, req.sampling.max_tokens)
         if req.sampling.max_tokens is None and self.default_max_tokens:
             max_tokens = min(max_tokens, self.default_max_tokens)
@@ -513,11 +518,11 @@ class _Handlers:
         gen = await self._start(kvp, rid, [ids], params, 1)
         created = int(time.time())
         if req.stream:
-            return EventStreamResponse(
-                self._stream_response(
-                    gen, rid, msg_id, created, body, req.sampling, parser, keep, done
-                )
+            events = RA.EventStream(rid, msg_id)
+            stream = self._stream_response(
+                gen, events, created, body, req.sampling, parser, keep, done
             )
+            return EventStreamResponse(self._guarded(stream, gen, events.error))
         outputs = await self._wait(request, gen)
         text, calls = self._parsed_answer(parser, outputs[0])
         items = RA.function_calls(calls)
@@ -592,11 +597,24 @@ class _Handlers:
         message, _ = tool_message(parser, self._answer_text(text, True), None)
         return message["content"] or "", message.get("tool_calls", [])
 
+    async def _guarded(
+        self, stream: AsyncIterator[str], gen: Generation, error: Callable[[ApiError], str]
+    ) -> AsyncIterator[str]:
+        """``stream``'s events; an error once the headers are out as ``error``'s event (counted), and
+        ``gen`` closed however the stream ends (the client gone included)."""
+        try:
+            async for event in stream:
+                yield event
+        except ApiError as e:
+            self.loop.count_error(e.status)
+            yield error(e)
+        finally:
+            gen.close()
+
     async def _stream_response(
         self,
         gen: Generation,
-        rid: str,
-        msg_id: str,
+        events: RA.EventStream,
         created: int,
         body: dict[str, Any],
         sampling: SamplingParams,
@@ -605,46 +623,118 @@ class _Handlers:
         done: Callable[[dict[str, Any]], None],
     ) -> AsyncIterator[str]:
         """The events of a streamed Response; ``keep``: it will be stored, by ``done`` at its end."""
-        events = RA.EventStream(rid, msg_id)
+        rid, msg_id = events.rid, events.msg_id
+        started = RA.response(rid, created, self.model_name, body, stored=keep)
+        for event in events.opening(started):
+            yield event
+        async for text, call, call_id in self._pieces(gen, sampling, parser):
+            piece = events.delta(text) if call is None else []
+            if call is not None:
+                piece = events.call(call.index, call_id, call.name, call.arguments)
+            for event in piece:
+                yield event
+        outputs = gen.outputs()
+        text, calls = self._parsed_answer(parser, outputs[0])
+        if events.opened:  # the message is what went out
+            text = events.text
+        # the calls as they went out (none streamed: the answer's, parsed whole)
+        items = events.streamed_calls() or RA.function_calls(calls)
+        final = RA.final_response(
+            rid, msg_id, created, self.model_name, body, outputs, text, items, keep
+        )
+        done(final)
+        for event in events.closing(final):
+            yield event
+
+    async def _pieces(
+        self, gen: Generation, sampling: SamplingParams, parser: ToolParser | None
+    ) -> AsyncIterator[tuple[str, CallDelta | None, str]]:
+        """A one-choice answer as it comes, as chat streams it: ``(text, None, "")`` for text outside
+        tool calls, ``("", piece, call_id)`` for a call's pieces (its first, with the name, with a
+        new id)."""
         tracker = DeltaTracker(sampling.stop)
         calls_stream = ToolStream(parser) if parser is not None else None
         answer = ""
+        async for batch in gen.updates():
+            for out in batch.values():
+                text = tracker.delta(out.outputs[0].text, out.finished)
+                deltas: list[CallDelta] = []
+                if calls_stream is not None:
+                    answer += text
+                    final = self._answer_text(answer, out.finished)
+                    text, deltas = calls_stream.feed(final, out.finished)
+                if text:
+                    yield text, None, ""
+                for d in deltas:
+                    call_id = parser.new_id() if parser and d.name is not None else ""
+                    yield "", d, call_id
+
+    # --- Anthropic's Messages API --------------------------------------------------------------
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API, read as the chat request it means (:mod:`anthropic_messages`);
+        its errors in Anthropic's shape."""
         try:
-            started = RA.response(rid, created, self.model_name, body, stored=keep)
-            for event in events.opening(started):
+            return await self._messages(request)
+        except ApiError as e:
+            return self._message_error(e)
+
+    def _message_error(self, e: ApiError) -> Response:
+        """An error as Anthropic's API answers it: its shape, and 400 for a malformed request (422
+        on the OpenAI endpoints)."""
+        status = 400 if e.status == 422 else e.status
+        self.loop.count_error(status)
+        return JSONResponse(AM.error_body(e), status_code=status, headers=e.headers)
+
+    async def _messages(self, request: Request) -> Response:
+        body = await self._body(request)
+        req = parse_chat_request(AM.chat_body(body), self.sampling_defaults)
+        self._check_model(req.model)
+        parser, sampling = self._chat_tools(req)
+        ids, params = self._chat_prompt(req, sampling)
+        mid = AM.new_id()
+        kvp = self._kv_params(body, 1, req.sampling, req.stream)
+        gen = await self._start(kvp, mid, [ids], params, 1)
+        if req.stream:
+            events = AM.EventStream()
+            stream = self._stream_message(gen, events, mid, len(ids), sampling, parser)
+            return EventStreamResponse(self._guarded(stream, gen, events.error))
+        outputs = await self._wait(request, gen)
+        text, calls = self._parsed_answer(parser, outputs[0])
+        answer = AM.message(mid, self.model_name, outputs[0], text, calls)
+        return JSONResponse(self._kv_export(kvp, mid, outputs, answer))
+
+    async def _stream_message(
+        self,
+        gen: Generation,
+        events: AM.EventStream,
+        mid: str,
+        input_tokens: int,
+        sampling: SamplingParams,
+        parser: ToolParser | None,
+    ) -> AsyncIterator[str]:
+        """The events of a streamed Message."""
+        for event in events.opening(mid, self.model_name, input_tokens):
+            yield event
+        async for text, call, call_id in self._pieces(gen, sampling, parser):
+            piece = events.text(text) if call is None else []
+            if call is not None:
+                piece = events.call(call_id, call.name, call.arguments)
+            for event in piece:
                 yield event
-            async for batch in gen.updates():
-                for out in batch.values():
-                    text = tracker.delta(out.outputs[0].text, out.finished)
-                    deltas = []
-                    if calls_stream is not None:  # text and call pieces, as chat streams them
-                        answer += text
-                        final = self._answer_text(answer, out.finished)
-                        text, deltas = calls_stream.feed(final, out.finished)
-                    if text:
-                        for event in events.delta(text):
-                            yield event
-                    for d in deltas:
-                        call_id = parser.new_id() if parser and d.name is not None else ""
-                        for event in events.call(d.index, call_id, d.name, d.arguments):
-                            yield event
-            outputs = gen.outputs()
-            text, calls = self._parsed_answer(parser, outputs[0])
-            if events.opened:  # the message is what went out
-                text = events.text
-            # the calls as they went out (none streamed: the answer's, parsed whole)
-            items = events.streamed_calls() or RA.function_calls(calls)
-            final = RA.final_response(
-                rid, msg_id, created, self.model_name, body, outputs, text, items, keep
-            )
-            done(final)
-            for event in events.closing(final):
-                yield event
-        except ApiError as e:  # headers are sent already: report the error in the stream
-            self.loop.count_error(e.status)
-            yield events.error(e)
-        finally:
-            gen.close()
+        out = gen.outputs()[0]
+        text, calls = self._parsed_answer(parser, out)
+        for event in events.closing(AM.message(mid, self.model_name, out, text, calls)):
+            yield event
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: ``{"input_tokens"}`` of a Messages request's prompt."""
+        try:
+            body = await self._body(request)
+            req = parse_chat_request(AM.chat_body(body, counting=True), self.sampling_defaults)
+            self._check_model(req.model)
+            return JSONResponse({"input_tokens": len(self._chat_ids(req))})
+        except ApiError as e:
+            return self._message_error(e)
 
     # --- model and tokenizer -------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -811,6 +901,8 @@ def build_app(
         Route("/v1/completions", h.completions, methods=["POST"]),
         Route("/v1/chat/completions", h.chat, methods=["POST"]),
         Route("/v1/responses", h.responses, methods=["POST"]),
+        Route("/v1/messages", h.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", h.count_message_tokens, methods=["POST"]),
         Route("/v1/responses/{response_id}", h.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", h.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", h.response_input_items, methods=["GET"]),

@@ -1,6 +1,7 @@
 """API-key check as plain ASGI middleware (it must not buffer streamed responses, so no BaseHTTPMiddleware).
 
-With a key set, every route needs ``Authorization: Bearer <key>`` except ``/health`` and ``/metrics``,
+With a key set, every route needs ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as
+Anthropic's SDK sends it) except ``/health`` and ``/metrics``,
 which load balancers and Prometheus poll without credentials. The sglang router sends the key on
 ``/get_load`` and ``/get_server_info`` when it is configured with one.
 """
@@ -32,8 +33,12 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        auth = Headers(scope=scope).get("authorization", "")
+        headers = Headers(scope=scope)
+        auth = headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
+        if not auth and "x-api-key" in headers:  # Anthropic's SDK sends its key so
+            scheme, token = "bearer", headers["x-api-key"]
+            auth = token
         # compare_digest: the time taken must not reveal how much of a guessed key was right.
         if scheme.lower() != "bearer" or not secrets.compare_digest(
             token.strip().encode(), self.expected

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from plaserve import responses_input
+from plaserve import conversations
 from plaserve.request import RequestOutput
 from plaserve.server.errors import ApiError
 
@@ -125,8 +125,8 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(422, "field 'metadata' must be an object of strings", param="metadata")
     chat = {k: body[k] for k in SAMPLING_FIELDS if k in body}
     try:
-        chat["messages"] = responses_input.chat_messages(body)
-    except responses_input.InputError as e:
+        chat["messages"] = conversations.responses_messages(body)
+    except conversations.InputError as e:
         raise ApiError(e.status, str(e), param=e.param) from None
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
