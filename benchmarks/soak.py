@@ -4,11 +4,12 @@ Two targets run side by side, each with its own open-loop client: ``plaserve ser
 ``plaserve route`` in front of two ``plaserve serve`` workers (all real processes on 127.0.0.1, the
 embedded default model). Arrivals follow a Poisson process; prompt and output lengths come from a real
 trace (scaled). The mix is what a server meets in a day: streamed and whole completions, chat, ``n`` = 2,
-clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
+Responses (half of them continuing an earlier one by ``previous_response_id``, against a 1 MiB store
+that must forget) and Anthropic Messages, clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
 that must get a 4xx.
 
 Every ``--sample-every`` seconds it records, for each process: resident memory (VmRSS), open file
-descriptors and (workers) KV blocks in use. At the end it waits for the servers to go idle and reads
+descriptors, (workers) KV blocks in use and the bytes their Response stores keep. At the end it waits for the servers to go idle and reads
 their KV blocks again: any block still held is a leak. The report gives each series' least-squares
 slope after ``--warm-up`` seconds (MiB/hour, descriptors/hour), the first and last samples, and the
 request outcomes; a 5xx or a failed connection counts as an error.
@@ -40,7 +41,17 @@ from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess
 from plaserve.workload.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
-SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--policy", "pla"]
+# A small Response store (1 MiB), so that it fills and forgets within a soak.
+SERVER_ARGS = [
+    "--kv-cache-memory",
+    "256MiB",
+    "--max-model-len",
+    "2048",
+    "--policy",
+    "pla",
+    "--response-store-mib",
+    "1",
+]
 BAD_BODIES = [  # each must be refused with a 4xx
     b'{"prompt": "Hello", "max_tokens": 8, "temperature": NaN}',
     b'{"prompt": "Hello", "max_tokens": 8, "repetition_penalty": 1e-300}',
@@ -78,14 +89,64 @@ class Target:
     workers: list[str]  # URLs whose /load KV blocks are read
     outcomes: dict[str, int] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    response_ids: list[str] = field(default_factory=list)  # Responses to continue, newest last
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
-async def kv_used(session: aiohttp.ClientSession, worker: str) -> int:
+async def worker_books(session: aiohttp.ClientSession, worker: str) -> tuple[int, int]:
+    """(KV blocks in use, bytes of kept Responses) of a worker, from its ``/load``."""
     async with session.get(f"{worker}/load") as r:
-        return (await r.json())["kv"]["used_blocks"]
+        load = await r.json()
+        return load["kv"]["used_blocks"], load["responses"]["bytes"]
+
+
+async def response_request(
+    session: aiohttp.ClientSession, target: Target, rng: random.Random, prompt_len: int, out: int
+) -> None:
+    """A Responses request, half of them continuing an earlier one (``previous_response_id``; one the
+    store has forgotten since is a 400 ``previous_response_not_found``), half of them streamed."""
+    body: dict[str, Any] = {"input": "x" * prompt_len, "max_output_tokens": out, "ignore_eos": True}
+    if target.response_ids and rng.random() < 0.5:
+        body["previous_response_id"] = rng.choice(target.response_ids[-50:])
+    body["stream"] = rng.random() < 0.5
+    async with session.post(f"{target.url}/v1/responses", json=body) as r:
+        data = await r.read()
+        if r.status == 400 and b"previous_response_not_found" in data:
+            target.count("responses_forgotten")
+            return
+        if r.status != 200:
+            target.count(f"http_{r.status}")
+            return
+    if body["stream"]:  # the id is in the first event, response.created
+        first = next(line for line in data.split(b"\n") if line.startswith(b"data:"))
+        rid = json.loads(first[5:])["response"]["id"]
+        if b'"type":"error"' in data:
+            target.count("stream_error")
+            return
+    else:
+        rid = json.loads(data)["id"]
+    target.response_ids = target.response_ids[-199:] + [rid]
+    target.count("responses_ok")
+
+
+async def message_request(
+    session: aiohttp.ClientSession, target: Target, rng: random.Random, prompt_len: int, out: int
+) -> None:
+    """An Anthropic Messages request, half of them streamed."""
+    body = {
+        "messages": [{"role": "user", "content": "x" * prompt_len}],
+        "max_tokens": out,
+        "ignore_eos": True,
+        "stream": rng.random() < 0.5,
+    }
+    async with session.post(f"{target.url}/v1/messages", json=body) as r:
+        data = await r.read()
+        broken = body["stream"] and b"event: error" in data
+        target.count(
+            "stream_error" if broken else "messages_ok" if r.status == 200 else f"http_{r.status}"
+        )
 
 
 async def one_request(
@@ -96,9 +157,16 @@ async def one_request(
     output_len: int,
 ) -> None:
     """Send one request of a randomly chosen kind and count its outcome."""
-    kind = rng.choices(["stream", "chat", "abandon", "n2", "bad"], weights=[55, 15, 10, 10, 10])[0]
+    kinds = ["stream", "chat", "responses", "messages", "abandon", "n2", "bad"]
+    kind = rng.choices(kinds, weights=[40, 10, 15, 10, 10, 5, 10])[0]
     prompt = [rng.randrange(10, 500) for _ in range(prompt_len)]
     try:
+        if kind == "responses":
+            await response_request(session, target, rng, prompt_len, output_len)
+            return
+        if kind == "messages":
+            await message_request(session, target, rng, prompt_len, output_len)
+            return
         if kind == "bad":
             async with session.post(
                 f"{target.url}/v1/completions",
@@ -177,7 +245,9 @@ async def sample(targets: list[Target], start: float, every: float, stop: asynci
                 row: dict[str, Any] = {"t": t}
                 for role, proc in target.processes.items():
                     row[f"{role}_rss_mib"], row[f"{role}_fds"] = read_proc(proc.proc.pid)
-                row["kv_used"] = sum([await kv_used(session, w) for w in target.workers])
+                books = [await worker_books(session, w) for w in target.workers]
+                row["kv_used"] = sum(kv for kv, _ in books)
+                row["store_kib"] = sum(b for _, b in books) / 1024
                 target.samples.append(row)
             print(
                 f"[{t:7.0f} s] "
@@ -230,8 +300,8 @@ def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
             )
     lines += [
         "",
-        "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle |",
-        "|---|---|---|---|---|",
+        "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle | Response stores, largest sample (KiB; bound 1,024 a worker) |",
+        "|---|---|---|---|---|---|",
     ]
     for tg in targets:
         errors = sum(
@@ -240,8 +310,10 @@ def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
             if k.startswith(("http_5", "client_error", "bad_got", "stream"))
         )
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(tg.outcomes.items()))
+        store = max(s["store_kib"] for s in tg.samples)
         lines.append(
-            f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors} | {tg.samples[-1]['leaked']} |"
+            f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors} | "
+            f"{tg.samples[-1]['leaked']} | {store:,.0f} |"
         )
     return "\n".join(lines)
 

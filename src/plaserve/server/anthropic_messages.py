@@ -13,8 +13,9 @@ content blocks, ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``
 (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
 ``message_stop``). Errors take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
 
-Images, documents, server tools (web search, code execution, ...) and extended ``thinking`` are a 400
-naming the field; ``thinking`` blocks an earlier answer carried back are left out of the prompt.
+Images, documents and server tools (web search, code execution, ...) are a 400 naming the field.
+``thinking`` is accepted and has no effect, as on vLLM serving a model without a reasoning parser:
+no thinking blocks are written, and those an earlier answer carried back are left out of the prompt.
 """
 
 from __future__ import annotations
@@ -88,11 +89,6 @@ def chat_body(body: dict[str, Any], *, counting: bool = False) -> dict[str, Any]
     for field in ("mcp_servers", "container"):
         if body.get(field):
             raise _bad(field, "not supported on /v1/messages here")
-    thinking = body.get("thinking")
-    if thinking is not None and not (
-        isinstance(thinking, dict) and thinking.get("type") == "disabled"
-    ):
-        raise _bad("thinking", "extended thinking is not offered")
     chat = {k: body[k] for k in PASSED if k in body}
     try:
         chat["messages"] = conversations.anthropic_messages(body)
