@@ -4,8 +4,8 @@ Two targets run side by side, each with its own open-loop client: ``plaserve ser
 ``plaserve route`` in front of two ``plaserve serve`` workers (all real processes on 127.0.0.1, the
 embedded default model). Arrivals follow a Poisson process; prompt and output lengths come from a real
 trace (scaled). The mix is what a server meets in a day: streamed and whole completions, chat, ``n`` = 2,
-Responses (half of them continuing an earlier one by ``previous_response_id``, against a 1 MiB store
-that must forget) and Anthropic Messages, clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
+Responses (half of them continuing an earlier one by ``previous_response_id``, against a store small
+enough to fill and forget, ``--response-store-mib``) and Anthropic Messages, clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
 that must get a 4xx.
 
 Every ``--sample-every`` seconds it records, for each process: resident memory (VmRSS), open file
@@ -41,17 +41,7 @@ from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess
 from plaserve.workload.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
-# A small Response store (1 MiB), so that it fills and forgets within a soak.
-SERVER_ARGS = [
-    "--kv-cache-memory",
-    "256MiB",
-    "--max-model-len",
-    "2048",
-    "--policy",
-    "pla",
-    "--response-store-mib",
-    "1",
-]
+SERVER_ARGS = ["--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--policy", "pla"]
 BAD_BODIES = [  # each must be refused with a 4xx
     b'{"prompt": "Hello", "max_tokens": 8, "temperature": NaN}',
     b'{"prompt": "Hello", "max_tokens": 8, "repetition_penalty": 1e-300}',
@@ -300,7 +290,8 @@ def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
             )
     lines += [
         "",
-        "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle | Response stores, largest sample (KiB; bound 1,024 a worker) |",
+        "| target | requests | outcomes | errors (5xx, failed connections) | KV blocks held when idle | "
+        f"Response stores, largest sample (KiB; bound {args.response_store_mib * 1024:,.0f} a worker) |",
         "|---|---|---|---|---|---|",
     ]
     for tg in targets:
@@ -360,12 +351,20 @@ def main() -> int:
     p.add_argument(
         "--length-scale", type=float, default=0.25, help="trace prompt lengths times this"
     )
+    p.add_argument(
+        "--response-store-mib",
+        type=float,
+        default=0.01,
+        help="each server's Response store (default 0.01: small enough to fill and forget within "
+        "minutes)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for soak.json and soak.md")
     args = p.parse_args()
+    server_args = [*SERVER_ARGS, "--response-store-mib", str(args.response_store_mib)]
     with contextlib.ExitStack() as stack:
-        single = stack.enter_context(ServerProcess(SERVER_ARGS))
-        w1, w2 = (stack.enter_context(ServerProcess(SERVER_ARGS)) for _ in range(2))
+        single = stack.enter_context(ServerProcess(server_args))
+        w1, w2 = (stack.enter_context(ServerProcess(server_args)) for _ in range(2))
         router = stack.enter_context(RouterProcess([w1.url, w2.url]))
         targets = [
             Target("one server", single.url, {"server": single}, [single.url]),
