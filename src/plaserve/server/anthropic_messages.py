@@ -12,6 +12,7 @@ content blocks, ``stop_reason`` (``end_turn``, ``max_tokens``, ``stop_sequence``
 ``stop_sequence`` met, ``tool_use``) and ``usage``; streamed, the typed events Anthropic's SDK reads
 (``message_start``, ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
 ``message_stop``). Errors take Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``.
+Its routes (:class:`MessagesRoutes`) are mixed into the server's handlers.
 
 Images, documents and server tools (web search, code execution, ...) are a 400 naming the field.
 ``thinking`` is accepted and has no effect, as on vLLM serving a model without a reasoning parser:
@@ -22,11 +23,18 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
 from plaserve import conversations
-from plaserve.request import RequestOutput
+from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.errors import ApiError
+from plaserve.server.generation import EventStreamResponse, Generation
+from plaserve.server.protocol import parse_chat_request
+from plaserve.server.tool_parsers import ToolParser
 
 # Passed to the chat request as they are: the Messages API's sampling fields, and plaserve's (vLLM's)
 # extensions a client may add.
@@ -247,3 +255,74 @@ class EventStream:
 
     def error(self, e: ApiError) -> str:
         return self.event("error", error=error_body(e)["error"])
+
+
+class MessagesRoutes:
+    """The Messages API's routes: ``POST /v1/messages`` and ``/v1/messages/count_tokens``. Mixed into
+    the server's handlers (:mod:`plaserve.server.app`), whose chat path runs them."""
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API, read as the chat request it means (:mod:`anthropic_messages`);
+        its errors in Anthropic's shape."""
+        try:
+            return await self._messages(request)
+        except ApiError as e:
+            return self._message_error(e)
+
+    def _message_error(self, e: ApiError) -> Response:
+        """An error as Anthropic's API answers it: its shape, and 400 for a malformed request (422
+        on the OpenAI endpoints)."""
+        status = 400 if e.status == 422 else e.status
+        self.loop.count_error(status)
+        return JSONResponse(error_body(e), status_code=status, headers=e.headers)
+
+    async def _messages(self, request: Request) -> Response:
+        body = await self._body(request)
+        req = parse_chat_request(chat_body(body), self.sampling_defaults)
+        self._check_model(req.model)
+        parser, sampling = self._chat_tools(req)
+        ids, params = self._chat_prompt(req, sampling)
+        mid = new_id()
+        kvp = self._kv_params(body, 1, req.sampling, req.stream)
+        gen = await self._start(kvp, mid, [ids], params, 1)
+        if req.stream:
+            events = EventStream()
+            stream = self._stream_message(gen, events, mid, len(ids), sampling, parser)
+            return EventStreamResponse(self._guarded(stream, gen, events.error))
+        outputs = await self._wait(request, gen)
+        text, calls = self._parsed_answer(parser, outputs[0])
+        answer = message(mid, self.model_name, outputs[0], text, calls)
+        return JSONResponse(self._kv_export(kvp, mid, outputs, answer))
+
+    async def _stream_message(
+        self,
+        gen: Generation,
+        events: EventStream,
+        mid: str,
+        input_tokens: int,
+        sampling: SamplingParams,
+        parser: ToolParser | None,
+    ) -> AsyncIterator[str]:
+        """The events of a streamed Message."""
+        for event in events.opening(mid, self.model_name, input_tokens):
+            yield event
+        async for text, call, call_id in self._pieces(gen, sampling, parser):
+            piece = events.text(text) if call is None else []
+            if call is not None:
+                piece = events.call(call_id, call.name, call.arguments)
+            for event in piece:
+                yield event
+        out = gen.outputs()[0]
+        text, calls = self._parsed_answer(parser, out)
+        for event in events.closing(message(mid, self.model_name, out, text, calls)):
+            yield event
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: ``{"input_tokens"}`` of a Messages request's prompt."""
+        try:
+            body = await self._body(request)
+            req = parse_chat_request(chat_body(body, counting=True), self.sampling_defaults)
+            self._check_model(req.model)
+            return JSONResponse({"input_tokens": len(self._chat_ids(req))})
+        except ApiError as e:
+            return self._message_error(e)

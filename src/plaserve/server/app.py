@@ -31,9 +31,8 @@ from starlette.routing import Route
 
 import plaserve
 from plaserve.request import ParamError, RequestOutput, SamplingParams
-from plaserve.server import anthropic_messages as AM
-from plaserve.server import openai_responses as RA
 from plaserve.server import responses as R
+from plaserve.server.anthropic_messages import MessagesRoutes
 from plaserve.server.auth import ApiKeyMiddleware
 from plaserve.server.connections import ErrorGuard
 from plaserve.server.deltas import DeltaTracker
@@ -46,6 +45,7 @@ from plaserve.server.generation import (
     until_disconnect,
 )
 from plaserve.server.metrics import ResponseStoreCollector, render_collector
+from plaserve.server.openai_responses import ResponsesRoutes
 from plaserve.server.pd import PDWorker, check_pd_request, parse_kv_transfer_params
 from plaserve.server.prompts import (
     ModelLimits,
@@ -64,7 +64,7 @@ from plaserve.server.protocol import (
     parse_json_object,
     parse_tokenize_request,
 )
-from plaserve.server.response_store import ResponseStore, Stored
+from plaserve.server.response_store import ResponseStore
 from plaserve.server.tool_parsers import PARSERS, CallDelta, ToolParser, ToolStream
 from plaserve.server.tools import (
     delta_json,
@@ -89,7 +89,7 @@ class HttpLimits:
     body_timeout: float = 60.0  # seconds to receive the whole body once the headers are in
 
 
-class _Handlers:
+class _Handlers(ResponsesRoutes, MessagesRoutes):
     """Route handlers bound to one engine loop; everything they read from the engine is fixed at start."""
 
     def __init__(
@@ -496,97 +496,6 @@ class _Handlers:
             gen.close()
         yield R.DONE
 
-    async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API, read as the chat request it means (:mod:`openai_responses`)."""
-        body = await self._body(request)
-        conversation = self._conversation(body)
-        chat = RA.chat_body({**body, "input": conversation} if "input" in body else body)
-        req = parse_chat_request(chat, self.sampling_defaults)
-        self._check_model(req.model)
-        parser, sampling = self._chat_tools(req)
-        ids, params = self._chat_prompt(req, sampling)
-        rid, msg_id = self.store.new_id(), RA.message_id()
-        kvp = self._kv_params(body, 1, req.sampling, req.stream)
-        # kept unless the client says not to; a prefill for another worker's decode is not an answer
-        keep = self.store.enabled and body.get("store") is not False
-        keep = keep and (kvp is None or not kvp.do_remote_decode)
-
-        def done(response: dict[str, Any]) -> None:
-            if keep:
-                self.store.put(response, conversation)
-
-        gen = await self._start(kvp, rid, [ids], params, 1)
-        created = int(time.time())
-        if req.stream:
-            events = RA.EventStream(rid, msg_id)
-            stream = self._stream_response(
-                gen, events, created, body, req.sampling, parser, keep, done
-            )
-            return EventStreamResponse(self._guarded(stream, gen, events.error))
-        outputs = await self._wait(request, gen)
-        text, calls = self._parsed_answer(parser, outputs[0])
-        items = RA.function_calls(calls)
-        answer = RA.final_response(
-            rid, msg_id, created, self.model_name, body, outputs, text, items, keep
-        )
-        done(answer)
-        return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
-
-    def _conversation(self, body: dict[str, Any]) -> Any:
-        """The request's input items after the conversation of the Response it continues
-        (``previous_response_id``); a 400 where that is not kept."""
-        items = RA.input_items(body.get("input"))
-        prev_id = body.get("previous_response_id")
-        if prev_id is None:
-            return items
-        if not isinstance(prev_id, str):
-            raise ApiError(
-                422, "field 'previous_response_id' must be a string", param="previous_response_id"
-            )
-        if not self.store.enabled:
-            raise ApiError(
-                400,
-                "previous_response_id: this server keeps no Responses (--response-store-mib 0)",
-                param="previous_response_id",
-            )
-        prev = self.store.get(prev_id)
-        if prev is None:
-            raise ApiError(
-                400,
-                f"Previous response with id '{prev_id}' not found.",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        return prev.conversation() + items if isinstance(items, list) else items
-
-    def _kept(self, request: Request) -> tuple[str, Stored]:
-        """The kept Response the path names, or a 404."""
-        rid = request.path_params["response_id"]
-        entry = self.store.get(rid)
-        if entry is None:
-            raise ApiError(404, f"Response with id '{rid}' not found.", param="response_id")
-        return rid, entry
-
-    async def get_response(self, request: Request) -> Response:
-        _, entry = self._kept(request)
-        if request.query_params.get("stream") in ("true", "1"):
-            raise ApiError(
-                400,
-                "stream: a kept Response is returned whole (replaying its events is for background "
-                "Responses, which are not offered)",
-                param="stream",
-            )
-        return JSONResponse(entry.response)
-
-    async def delete_response(self, request: Request) -> Response:
-        rid, _ = self._kept(request)
-        self.store.delete(rid)
-        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
-
-    async def response_input_items(self, request: Request) -> Response:
-        _, entry = self._kept(request)
-        return JSONResponse(RA.items_page(entry.input_items, request.query_params))
-
     def _parsed_answer(
         self, parser: ToolParser | None, out: RequestOutput
     ) -> tuple[str, list[dict[str, Any]]]:
@@ -611,41 +520,6 @@ class _Handlers:
         finally:
             gen.close()
 
-    async def _stream_response(
-        self,
-        gen: Generation,
-        events: RA.EventStream,
-        created: int,
-        body: dict[str, Any],
-        sampling: SamplingParams,
-        parser: ToolParser | None,
-        keep: bool,
-        done: Callable[[dict[str, Any]], None],
-    ) -> AsyncIterator[str]:
-        """The events of a streamed Response; ``keep``: it will be stored, by ``done`` at its end."""
-        rid, msg_id = events.rid, events.msg_id
-        started = RA.response(rid, created, self.model_name, body, stored=keep)
-        for event in events.opening(started):
-            yield event
-        async for text, call, call_id in self._pieces(gen, sampling, parser):
-            piece = events.delta(text) if call is None else []
-            if call is not None:
-                piece = events.call(call.index, call_id, call.name, call.arguments)
-            for event in piece:
-                yield event
-        outputs = gen.outputs()
-        text, calls = self._parsed_answer(parser, outputs[0])
-        if events.opened:  # the message is what went out
-            text = events.text
-        # the calls as they went out (none streamed: the answer's, parsed whole)
-        items = events.streamed_calls() or RA.function_calls(calls)
-        final = RA.final_response(
-            rid, msg_id, created, self.model_name, body, outputs, text, items, keep
-        )
-        done(final)
-        for event in events.closing(final):
-            yield event
-
     async def _pieces(
         self, gen: Generation, sampling: SamplingParams, parser: ToolParser | None
     ) -> AsyncIterator[tuple[str, CallDelta | None, str]]:
@@ -668,73 +542,6 @@ class _Handlers:
                 for d in deltas:
                     call_id = parser.new_id() if parser and d.name is not None else ""
                     yield "", d, call_id
-
-    # --- Anthropic's Messages API --------------------------------------------------------------
-    async def messages(self, request: Request) -> Response:
-        """Anthropic's Messages API, read as the chat request it means (:mod:`anthropic_messages`);
-        its errors in Anthropic's shape."""
-        try:
-            return await self._messages(request)
-        except ApiError as e:
-            return self._message_error(e)
-
-    def _message_error(self, e: ApiError) -> Response:
-        """An error as Anthropic's API answers it: its shape, and 400 for a malformed request (422
-        on the OpenAI endpoints)."""
-        status = 400 if e.status == 422 else e.status
-        self.loop.count_error(status)
-        return JSONResponse(AM.error_body(e), status_code=status, headers=e.headers)
-
-    async def _messages(self, request: Request) -> Response:
-        body = await self._body(request)
-        req = parse_chat_request(AM.chat_body(body), self.sampling_defaults)
-        self._check_model(req.model)
-        parser, sampling = self._chat_tools(req)
-        ids, params = self._chat_prompt(req, sampling)
-        mid = AM.new_id()
-        kvp = self._kv_params(body, 1, req.sampling, req.stream)
-        gen = await self._start(kvp, mid, [ids], params, 1)
-        if req.stream:
-            events = AM.EventStream()
-            stream = self._stream_message(gen, events, mid, len(ids), sampling, parser)
-            return EventStreamResponse(self._guarded(stream, gen, events.error))
-        outputs = await self._wait(request, gen)
-        text, calls = self._parsed_answer(parser, outputs[0])
-        answer = AM.message(mid, self.model_name, outputs[0], text, calls)
-        return JSONResponse(self._kv_export(kvp, mid, outputs, answer))
-
-    async def _stream_message(
-        self,
-        gen: Generation,
-        events: AM.EventStream,
-        mid: str,
-        input_tokens: int,
-        sampling: SamplingParams,
-        parser: ToolParser | None,
-    ) -> AsyncIterator[str]:
-        """The events of a streamed Message."""
-        for event in events.opening(mid, self.model_name, input_tokens):
-            yield event
-        async for text, call, call_id in self._pieces(gen, sampling, parser):
-            piece = events.text(text) if call is None else []
-            if call is not None:
-                piece = events.call(call_id, call.name, call.arguments)
-            for event in piece:
-                yield event
-        out = gen.outputs()[0]
-        text, calls = self._parsed_answer(parser, out)
-        for event in events.closing(AM.message(mid, self.model_name, out, text, calls)):
-            yield event
-
-    async def count_message_tokens(self, request: Request) -> Response:
-        """``POST /v1/messages/count_tokens``: ``{"input_tokens"}`` of a Messages request's prompt."""
-        try:
-            body = await self._body(request)
-            req = parse_chat_request(AM.chat_body(body, counting=True), self.sampling_defaults)
-            self._check_model(req.model)
-            return JSONResponse({"input_tokens": len(self._chat_ids(req))})
-        except ApiError as e:
-            return self._message_error(e)
 
     # --- model and tokenizer -------------------------------------------------------------------
     async def models(self, request: Request) -> Response:

@@ -7,7 +7,7 @@ results, ``tools`` and ``tool_choice`` chat's, ``max_output_tokens`` the token l
 the structured output), so it is checked, templated, sampled and its calls parsed exactly as a chat
 request is; this module then shapes the result as a Response object, or as the stream of typed events
 the ``openai`` client reads (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``).
+``response.completed``). Its routes (:class:`ResponsesRoutes`) are mixed into the server's handlers.
 
 Finished Responses are kept (unless ``store: false``) by :mod:`plaserve.server.response_store` for
 ``GET /v1/responses/{id}`` and ``previous_response_id``, which continues a kept Response's conversation
@@ -20,13 +20,21 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
 from plaserve import conversations
-from plaserve.request import RequestOutput
+from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.errors import ApiError
+from plaserve.server.generation import EventStreamResponse, Generation
+from plaserve.server.protocol import parse_chat_request
+from plaserve.server.response_store import ResponseStore, Stored
+from plaserve.server.tool_parsers import ToolParser
 
 # Accepted and passed to the chat request as they are: the sampling fields both APIs share, and
 # vLLM's extensions that its /v1/responses takes too.
@@ -436,3 +444,138 @@ class EventStream:
                 )
             events.append(self.event("response.output_item.done", output_index=index, item=item))
         return [*events, self.event("response.completed", response=done)]
+
+
+class ResponsesRoutes:
+    """The Responses API's routes: ``POST /v1/responses`` and the kept Responses' ``GET``, ``DELETE``
+    and input items. Mixed into the server's handlers (:mod:`plaserve.server.app`), whose chat path
+    runs them (``_chat_tools``, ``_chat_prompt``, ``_start``, ``_wait``, ``_pieces``, ``_guarded``) and
+    whose ``store`` keeps them."""
+
+    store: ResponseStore
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, read as the chat request it means (:mod:`openai_responses`)."""
+        body = await self._body(request)
+        conversation = self._conversation(body)
+        chat = chat_body({**body, "input": conversation} if "input" in body else body)
+        req = parse_chat_request(chat, self.sampling_defaults)
+        self._check_model(req.model)
+        parser, sampling = self._chat_tools(req)
+        ids, params = self._chat_prompt(req, sampling)
+        rid, msg_id = self.store.new_id(), message_id()
+        kvp = self._kv_params(body, 1, req.sampling, req.stream)
+        # kept unless the client says not to; a prefill for another worker's decode is not an answer
+        keep = self.store.enabled and body.get("store") is not False
+        keep = keep and (kvp is None or not kvp.do_remote_decode)
+
+        def done(response: dict[str, Any]) -> None:
+            if keep:
+                self.store.put(response, conversation)
+
+        gen = await self._start(kvp, rid, [ids], params, 1)
+        created = int(time.time())
+        if req.stream:
+            events = EventStream(rid, msg_id)
+            stream = self._stream_response(
+                gen, events, created, body, req.sampling, parser, keep, done
+            )
+            return EventStreamResponse(self._guarded(stream, gen, events.error))
+        outputs = await self._wait(request, gen)
+        text, calls = self._parsed_answer(parser, outputs[0])
+        items = function_calls(calls)
+        answer = final_response(
+            rid, msg_id, created, self.model_name, body, outputs, text, items, keep
+        )
+        done(answer)
+        return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
+
+    def _conversation(self, body: dict[str, Any]) -> Any:
+        """The request's input items after the conversation of the Response it continues
+        (``previous_response_id``); a 400 where that is not kept."""
+        items = input_items(body.get("input"))
+        prev_id = body.get("previous_response_id")
+        if prev_id is None:
+            return items
+        if not isinstance(prev_id, str):
+            raise ApiError(
+                422, "field 'previous_response_id' must be a string", param="previous_response_id"
+            )
+        if not self.store.enabled:
+            raise ApiError(
+                400,
+                "previous_response_id: this server keeps no Responses (--response-store-mib 0)",
+                param="previous_response_id",
+            )
+        prev = self.store.get(prev_id)
+        if prev is None:
+            raise ApiError(
+                400,
+                f"Previous response with id '{prev_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return prev.conversation() + items if isinstance(items, list) else items
+
+    def _kept(self, request: Request) -> tuple[str, Stored]:
+        """The kept Response the path names, or a 404."""
+        rid = request.path_params["response_id"]
+        entry = self.store.get(rid)
+        if entry is None:
+            raise ApiError(404, f"Response with id '{rid}' not found.", param="response_id")
+        return rid, entry
+
+    async def get_response(self, request: Request) -> Response:
+        _, entry = self._kept(request)
+        if request.query_params.get("stream") in ("true", "1"):
+            raise ApiError(
+                400,
+                "stream: a kept Response is returned whole (replaying its events is for background "
+                "Responses, which are not offered)",
+                param="stream",
+            )
+        return JSONResponse(entry.response)
+
+    async def delete_response(self, request: Request) -> Response:
+        rid, _ = self._kept(request)
+        self.store.delete(rid)
+        return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
+
+    async def response_input_items(self, request: Request) -> Response:
+        _, entry = self._kept(request)
+        return JSONResponse(items_page(entry.input_items, request.query_params))
+
+    async def _stream_response(
+        self,
+        gen: Generation,
+        events: EventStream,
+        created: int,
+        body: dict[str, Any],
+        sampling: SamplingParams,
+        parser: ToolParser | None,
+        keep: bool,
+        done: Callable[[dict[str, Any]], None],
+    ) -> AsyncIterator[str]:
+        """The events of a streamed Response; ``keep``: it will be stored, by ``done`` at its end."""
+        rid, msg_id = events.rid, events.msg_id
+        started = response(rid, created, self.model_name, body, stored=keep)
+        for event in events.opening(started):
+            yield event
+        async for text, call, call_id in self._pieces(gen, sampling, parser):
+            piece = events.delta(text) if call is None else []
+            if call is not None:
+                piece = events.call(call.index, call_id, call.name, call.arguments)
+            for event in piece:
+                yield event
+        outputs = gen.outputs()
+        text, calls = self._parsed_answer(parser, outputs[0])
+        if events.opened:  # the message is what went out
+            text = events.text
+        # the calls as they went out (none streamed: the answer's, parsed whole)
+        items = events.streamed_calls() or function_calls(calls)
+        final = final_response(
+            rid, msg_id, created, self.model_name, body, outputs, text, items, keep
+        )
+        done(final)
+        for event in events.closing(final):
+            yield event
