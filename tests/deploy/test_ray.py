@@ -189,6 +189,11 @@ def test_kept_responses_are_continued_on_the_replica_that_keeps_them(client: ope
         client.responses.delete(resp.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(resp.id)
+    # a background Response, cancelled on the replica that generates it
+    long = client.responses.create(
+        input="long", background=True, **(kw | {"max_output_tokens": 900})
+    )
+    assert client.responses.cancel(long.id).status == "cancelled"
 
 
 def test_a_gateways_length_hint_prices_the_request_through_ray(

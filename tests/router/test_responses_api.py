@@ -4,6 +4,8 @@ that keeps it, and kept ones read and deleted there."""
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import openai
@@ -86,6 +88,19 @@ def test_kept_responses_are_found_on_the_worker_that_keeps_them(workers_and_rout
             routed.responses.retrieve(resp.id)
     with pytest.raises(openai.NotFoundError):  # an id no worker's prefix names
         routed.responses.retrieve("resp_unknown")
+    # a background Response: polled and cancelled through the router, on the worker that has it
+    queued = routed.responses.create(input="story", background=True, **kw)
+    assert queued.status in ("queued", "in_progress")
+    long = routed.responses.create(
+        input="long", background=True, **(kw | {"max_output_tokens": 2000})
+    )
+    assert routed.responses.cancel(long.id).status == "cancelled"
+    for _ in range(600):
+        polled = routed.responses.retrieve(queued.id)
+        if polled.status not in ("queued", "in_progress"):
+            break
+        time.sleep(0.05)
+    assert polled.status == "incomplete" and polled.usage.output_tokens == 4
     assert holders == prefixes
 
 

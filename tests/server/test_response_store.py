@@ -5,6 +5,8 @@ continued by ``previous_response_id`` is in test_structured.py, whose server has
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -25,9 +27,8 @@ def _model(client: openai.OpenAI) -> str:
 
 
 def _ask(client: openai.OpenAI, **kw: object):
-    return client.responses.create(
-        model=_model(client), max_output_tokens=6, temperature=1.0, extra_body=SEED, **kw
-    )
+    kw = {"max_output_tokens": 6, **kw}
+    return client.responses.create(model=_model(client), temperature=1.0, extra_body=SEED, **kw)
 
 
 def _as_input(items: list) -> list[dict]:
@@ -148,3 +149,69 @@ def test_the_store_forgets_the_least_recently_used_within_its_bound() -> None:
     assert ResponseStore(0).put(one, []) is False
     with pytest.raises(ValueError):
         ResponseStore(-1)
+
+
+def _poll(client: openai.OpenAI, rid: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        resp = client.responses.retrieve(rid)
+        if resp.status not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return resp
+        time.sleep(0.05)
+
+
+def test_a_background_response_is_polled_to_the_answer_it_would_have_given(
+    client: openai.OpenAI,
+) -> None:
+    kw = {"input": "Tell me a story", "max_output_tokens": 12}
+    want = _ask(client, **kw)
+    queued = _ask(client, background=True, **kw)
+    assert queued.background is True and queued.status in ("queued", "in_progress")
+    assert queued.output == []
+    got = _poll(client, queued.id)
+    assert got.status == "incomplete" and got.output_text == want.output_text
+    assert got.usage.output_tokens == 12 and got.background is True
+    # cancelling a finished one gives it back as it is
+    assert client.responses.cancel(queued.id).status == "incomplete"
+    # it is kept like any other: a follow-up continues it
+    follow = _ask(client, previous_response_id=queued.id, input="Go on")
+    assert follow.status == "incomplete"
+
+
+def test_a_background_response_is_cancelled_and_frees_its_blocks(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    long = client.responses.create(
+        model=_model(client),
+        input="Write for a long time",
+        max_output_tokens=2000,
+        background=True,
+        extra_body=SEED,
+    )
+    time.sleep(0.3)  # under way
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    deadline = time.monotonic() + 10
+    while (
+        httpx.get(f"{server.url}/load").json()["kv"]["used_blocks"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/load").json()["kv"]["used_blocks"] == 0
+    # deleted while it runs: stopped, and gone for good
+    other = client.responses.create(
+        model=_model(client),
+        input="Again",
+        max_output_tokens=2000,
+        background=True,
+        extra_body=SEED,
+    )
+    client.responses.delete(other.id)
+    time.sleep(0.2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(other.id)
+    with pytest.raises(openai.BadRequestError):  # a synchronous Response cannot be cancelled
+        client.responses.cancel(_ask(client, input="now").id)
+    for bad in ({"background": True, "store": False}, {"background": True, "stream": True}):
+        r = httpx.post(f"{server.url}/v1/responses", json={"input": "x", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"

@@ -112,7 +112,7 @@ def test_streamed_response_events(client: openai.OpenAI) -> None:
     [
         ("tools", [{"type": "web_search"}]),
         ("previous_response_id", "resp_0"),
-        ("background", True),
+        ("conversation", "conv_1"),
         ("input", [{"type": "reasoning", "summary": []}]),
         ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
     ],

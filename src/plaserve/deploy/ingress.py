@@ -56,7 +56,9 @@ ROUTES = (
     "/v1/messages",
     "/v1/messages/count_tokens",  # sent to a replica as a request that generates nothing
 )
-STORED = "/v1/responses/"  # kept Responses: GET / DELETE {id}, GET {id}/input_items
+STORED = (
+    "/v1/responses/"  # kept Responses: GET / DELETE {id}, GET {id}/input_items, POST {id}/cancel
+)
 # The replica is gone or could not take the call: try the next one. ReplicaError comes back from a
 # replica whose server stopped answering; Ray wraps it, so it is matched by name as well.
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaError)
@@ -136,12 +138,18 @@ class OpenAIIngress:
         )
 
     async def stored(self, request: Request, path: str, method: str) -> Response:
-        """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET .../input_items``, asked of the replica
-        that keeps the Response (the request router finds it by the id's prefix)."""
+        """``GET`` / ``DELETE /v1/responses/{id}``, ``GET .../input_items`` and ``POST .../cancel``,
+        asked of the replica that keeps the Response (the request router finds it by the id's prefix)."""
         parts = path[len(STORED) :].split("/")
-        if not parts[0] or parts[1:] not in ([], ["input_items"]):
+        if not parts[0] or parts[1:] not in ([], ["input_items"], ["cancel"]):
             return _error(404, f"no route {method} {path}")
-        allowed = ("GET", "DELETE") if len(parts) == 1 else ("GET",)
+        allowed = (
+            ("GET", "DELETE")
+            if len(parts) == 1
+            else ("POST",)
+            if parts[1] == "cancel"
+            else ("GET",)
+        )
         if method not in allowed:
             return _error(405, f"{path} takes {' or '.join(allowed)}, not {method}")
         target = path + (f"?{request.url.query}" if request.url.query else "")

@@ -17,7 +17,8 @@ or has no room is replaced by another with the same parked KV; a pull that fails
 the prefill worker died or the KV expired) re-runs the prefill on another prefill worker. After the
 first byte a failing decode worker ends the stream with an error event, as the colocated router does.
 
-Requests PD does not carry (logprobs, several prompts, token counts) run whole on a decode worker; a Response
+Requests PD does not carry (logprobs, several prompts, token counts, background Responses) run whole
+on a decode worker; a Response
 that continues a kept one (``previous_response_id``) runs whole on the decode worker that keeps it.
 """
 
@@ -48,10 +49,10 @@ KV_UTILISATION_STEP = 0.1  # decode workers within one step of KV utilisation co
 
 
 def pd_capable(path: str, body: dict[str, Any]) -> bool:
-    """Whether a request can run as prefill + decode: a generation of one prompt, no logprobs of any
-    kind (``/v1/messages/count_tokens`` generates nothing)."""
-    if path.endswith("/count_tokens"):
-        return False
+    """Whether a request can run as prefill + decode: a generation of one prompt answered when it
+    is done, no logprobs of any kind (``/v1/messages/count_tokens`` generates nothing)."""
+    if path.endswith("/count_tokens") or body.get("background") is True:
+        return False  # a background Response answers at once, with no KV to hand over
     if body.get("logprobs") not in (None, False) or body.get("prompt_logprobs") is not None:
         return False
     prompt = body.get("prompt")

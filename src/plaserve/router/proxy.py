@@ -338,8 +338,8 @@ class Router:
         return None
 
     async def stored_response(self, request: web.Request) -> web.Response:
-        """``GET`` / ``DELETE /v1/responses/{id}`` and ``GET .../input_items``: asked of the worker
-        that keeps the Response, else (ids of other servers) of each worker in turn until one has it."""
+        """``GET`` / ``DELETE /v1/responses/{id}``, ``GET .../input_items`` and ``POST .../cancel``:
+        asked of the worker that keeps the Response, else (ids of other servers) of each worker in turn until one has it."""
         route = "/v1/responses/{id}"
         rid = request.match_info["response_id"]
         holder = self._response_holder(rid)
@@ -709,6 +709,7 @@ def build_app(router: Router) -> web.Application:
     for method in ("GET", "DELETE"):
         app.router.add_route(method, "/v1/responses/{response_id}", router.stored_response)
     app.router.add_get("/v1/responses/{response_id}/input_items", router.stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", router.stored_response)
     app.router.add_get("/v1/models", router.models)
     app.router.add_get("/health", router.health)
     app.router.add_get("/metrics", router.metrics_route)

@@ -105,6 +105,7 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         facts = engine_loop.facts
         self.pd = pd
         self.store = response_store or ResponseStore(0)  # /v1/responses' kept answers
+        self._background: dict[str, asyncio.Task] = {}  # background Responses still generating
         self._store_metrics = ResponseStoreCollector(self.store.describe)
         # --generation-config: the model's defaults for fields a request leaves out; its
         # max_new_tokens caps the max_tokens an endpoint picks by itself
@@ -713,6 +714,7 @@ def build_app(
         Route("/v1/responses/{response_id}", h.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", h.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", h.response_input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", h.cancel_response, methods=["POST"]),
         Route("/v1/models", h.models, methods=["GET"]),
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),

@@ -11,13 +11,16 @@ the ``openai`` client reads (``response.created`` ... ``response.output_text.del
 
 Finished Responses are kept (unless ``store: false``) by :mod:`plaserve.server.response_store` for
 ``GET /v1/responses/{id}`` and ``previous_response_id``, which continues a kept Response's conversation
-(its input and output items, not its ``instructions``, as OpenAI's does). ``background`` and
-``conversation`` are not offered; built-in tools (web search, files, computer use, MCP), reasoning
+(its input and output items, not its ``instructions``, as OpenAI's does). ``background: true``
+answers at once with the Response ``queued``; it is generated meanwhile, kept ``in_progress`` and
+then finished (``GET`` polls it, ``POST /v1/responses/{id}/cancel`` stops it). ``conversation`` is
+not offered; built-in tools (web search, files, computer use, MCP), reasoning
 items and non-text inputs are a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -58,7 +61,6 @@ SAMPLING_FIELDS = (
 # ``truncation``, ...) are accepted and ignored, as the other endpoints ignore unknown fields.
 UNSUPPORTED = {
     "conversation": "conversations are not stored; continue a Response by previous_response_id",
-    "background": "every request is answered while the client waits",
     "reasoning": "reasoning is not offered",
     "include": "no extra output is offered",
     "prompt": "stored prompts are not offered",
@@ -124,8 +126,9 @@ def chat_body(body: dict[str, Any]) -> dict[str, Any]:
             raise _unsupported(field, f"not supported on /v1/responses here: {why}")
     if "input" not in body:
         raise ApiError(422, "field 'input' is required", param="input")
-    if body.get("store") not in (None, True, False):
-        raise ApiError(422, "field 'store' must be a boolean", param="store")
+    for flag in ("store", "background"):
+        if body.get(flag) not in (None, True, False):
+            raise ApiError(422, f"field '{flag}' must be a boolean", param=flag)
     metadata = body.get("metadata")
     if metadata is not None and not (
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
@@ -300,7 +303,7 @@ def response(
         "text": _json_safe(request.get("text") or {"format": {"type": "text"}}),
         "previous_response_id": request.get("previous_response_id"),
         "store": stored,
-        "background": False,
+        "background": request.get("background") is True,
         "usage": usage_,
     }
 
@@ -453,6 +456,7 @@ class ResponsesRoutes:
     whose ``store`` keeps them."""
 
     store: ResponseStore
+    _background: dict[str, asyncio.Task]  # background Responses still generating, by id
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, read as the chat request it means (:mod:`openai_responses`)."""
@@ -473,8 +477,31 @@ class ResponsesRoutes:
             if keep:
                 self.store.put(response, conversation)
 
+        background = body.get("background") is True
+        if background and not keep:
+            raise ApiError(
+                400,
+                "background: a background Response is kept until it is fetched; send store true "
+                "to a server that keeps Responses",
+                param="background",
+            )
+        if background and req.stream:
+            raise ApiError(
+                400,
+                "background: streaming a background Response is not offered; poll GET "
+                "/v1/responses/{id}",
+                param="background",
+            )
         gen = await self._start(kvp, rid, [ids], params, 1)
         created = int(time.time())
+        if background:
+            queued = response(rid, created, self.model_name, body, status="queued", stored=True)
+            done(queued)
+            later = self._answer_later(gen, msg_id, queued, body, parser, done)
+            task = asyncio.ensure_future(later)
+            self._background[rid] = task
+            task.add_done_callback(lambda _: self._background.pop(rid, None))
+            return JSONResponse(queued)
         if req.stream:
             events = EventStream(rid, msg_id)
             stream = self._stream_response(
@@ -489,6 +516,52 @@ class ResponsesRoutes:
         )
         done(answer)
         return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
+
+    async def _answer_later(
+        self,
+        gen: Generation,
+        msg_id: str,
+        queued: dict[str, Any],
+        body: dict[str, Any],
+        parser: ToolParser | None,
+        done: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """A background Response's generation: kept ``in_progress`` from its first output, then as it
+        finished, ``cancelled`` (:meth:`cancel_response`) or ``failed``."""
+        rid, created = queued["id"], queued["created_at"]
+        try:
+            async for _ in gen.updates():
+                if queued["status"] == "queued":
+                    queued = {**queued, "status": "in_progress"}
+                    done(queued)
+            outputs = gen.outputs()
+            text, calls = self._parsed_answer(parser, outputs[0])
+            items = function_calls(calls)
+            final = final_response(
+                rid, msg_id, created, self.model_name, body, outputs, text, items, True
+            )
+        except asyncio.CancelledError:
+            final = {**queued, "status": "cancelled"}
+        except ApiError as e:
+            self.loop.count_error(e.status)
+            error = {"code": e.code or "server_error", "message": e.message}
+            final = {**queued, "status": "failed", "error": error}
+        finally:
+            gen.close()
+        done(final)
+
+    async def cancel_response(self, request: Request) -> Response:
+        """``POST /v1/responses/{id}/cancel``: stop a background Response; one already finished is
+        returned as it is."""
+        rid, entry = self._kept(request)
+        task = self._background.get(rid)
+        if task is None and not entry.response.get("background"):
+            raise ApiError(400, "Only background responses can be cancelled.", param="response_id")
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+        kept = self.store.get(rid)
+        return JSONResponse(kept.response if kept is not None else entry.response)
 
     def _conversation(self, body: dict[str, Any]) -> Any:
         """The request's input items after the conversation of the Response it continues
@@ -530,14 +603,17 @@ class ResponsesRoutes:
         if request.query_params.get("stream") in ("true", "1"):
             raise ApiError(
                 400,
-                "stream: a kept Response is returned whole (replaying its events is for background "
-                "Responses, which are not offered)",
+                "stream: a kept Response is returned whole (its events are not kept to replay)",
                 param="stream",
             )
         return JSONResponse(entry.response)
 
     async def delete_response(self, request: Request) -> Response:
         rid, _ = self._kept(request)
+        task = self._background.get(rid)
+        if task is not None:  # stopped first: it would keep itself again when it ends
+            task.cancel()
+            await asyncio.wait([task])
         self.store.delete(rid)
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
