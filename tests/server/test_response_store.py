@@ -181,13 +181,7 @@ def test_a_background_response_is_polled_to_the_answer_it_would_have_given(
 def test_a_background_response_is_cancelled_and_frees_its_blocks(
     client: openai.OpenAI, server: ServerProcess
 ) -> None:
-    long = client.responses.create(
-        model=_model(client),
-        input="Write for a long time",
-        max_output_tokens=2000,
-        background=True,
-        extra_body=SEED,
-    )
+    long = _ask(client, input="Write for a long time", max_output_tokens=2000, background=True)
     time.sleep(0.3)  # under way
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
@@ -199,13 +193,7 @@ def test_a_background_response_is_cancelled_and_frees_its_blocks(
         time.sleep(0.05)
     assert httpx.get(f"{server.url}/load").json()["kv"]["used_blocks"] == 0
     # deleted while it runs: stopped, and gone for good
-    other = client.responses.create(
-        model=_model(client),
-        input="Again",
-        max_output_tokens=2000,
-        background=True,
-        extra_body=SEED,
-    )
+    other = _ask(client, input="Again", max_output_tokens=2000, background=True)
     client.responses.delete(other.id)
     time.sleep(0.2)
     with pytest.raises(openai.NotFoundError):
