@@ -189,6 +189,9 @@ def test_kept_responses_are_continued_on_the_replica_that_keeps_them(client: ope
         client.responses.delete(resp.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(resp.id)
+    base = str(client.base_url).rstrip("/")
+    assert httpx.post(f"{base}/responses/{first[0].id}/input_items").status_code == 405
+    assert httpx.get(f"{base}/responses/{first[0].id}/other").status_code == 404
     # a background Response, cancelled on the replica that generates it
     long = client.responses.create(
         input="long", background=True, **(kw | {"max_output_tokens": 900})

@@ -17,8 +17,9 @@ event and ``[DONE]`` (the client sees a clean error, never a hang). With no repl
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
 (``stream: true`` passed through chunk by chunk; a follow-up's ``previous_response_id`` sent to the
-replica that keeps the Response it continues), ``GET`` / ``DELETE /v1/responses/{id}`` and ``GET
-/v1/responses/{id}/input_items`` (on that replica), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
+replica that keeps the Response it continues), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET
+/v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel`` (on that replica), ``POST
+/v1/messages`` and ``/v1/messages/count_tokens``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
 request router's counters: routing decisions by replica and class, held requests, the short pool).
 """
 
@@ -56,9 +57,8 @@ ROUTES = (
     "/v1/messages",
     "/v1/messages/count_tokens",  # sent to a replica as a request that generates nothing
 )
-STORED = (
-    "/v1/responses/"  # kept Responses: GET / DELETE {id}, GET {id}/input_items, POST {id}/cancel
-)
+STORED = "/v1/responses/"  # kept Responses, by what follows their id:
+STORED_METHODS = {"": ("GET", "DELETE"), "input_items": ("GET",), "cancel": ("POST",)}
 # The replica is gone or could not take the call: try the next one. ReplicaError comes back from a
 # replica whose server stopped answering; Ray wraps it, so it is matched by name as well.
 _RETRYABLE = (RayActorError, ActorDiedError, ActorUnavailableError, ReplicaError)
@@ -141,15 +141,9 @@ class OpenAIIngress:
         """``GET`` / ``DELETE /v1/responses/{id}``, ``GET .../input_items`` and ``POST .../cancel``,
         asked of the replica that keeps the Response (the request router finds it by the id's prefix)."""
         parts = path[len(STORED) :].split("/")
-        if not parts[0] or parts[1:] not in ([], ["input_items"], ["cancel"]):
+        if not parts[0] or len(parts) > 2 or parts[1:] and parts[1] not in STORED_METHODS:
             return _error(404, f"no route {method} {path}")
-        allowed = (
-            ("GET", "DELETE")
-            if len(parts) == 1
-            else ("POST",)
-            if parts[1] == "cancel"
-            else ("GET",)
-        )
+        allowed = STORED_METHODS[parts[1] if len(parts) == 2 else ""]
         if method not in allowed:
             return _error(405, f"{path} takes {' or '.join(allowed)}, not {method}")
         target = path + (f"?{request.url.query}" if request.url.query else "")

@@ -136,8 +136,9 @@ class PlaserveReplica:
     async def stored(
         self, method: str, path: str, headers: dict[str, str], **job: Any
     ) -> tuple[int, Any]:
-        """``GET`` / ``DELETE`` of a kept Response (``path``: ``/v1/responses/{id}[/input_items]``
-        with its query): ``(status, JSON body)``. ``job`` is for the request router."""
+        """A kept Response's ``GET`` / ``DELETE`` (``path``: ``/v1/responses/{id}[/input_items]``
+        with its query) or ``POST .../cancel``: ``(status, JSON body)``. ``job`` is for the request
+        router."""
         try:
             r = await self.client.request(method, path, headers=headers)
         except httpx.TransportError as e:

@@ -339,7 +339,8 @@ class Router:
 
     async def stored_response(self, request: web.Request) -> web.Response:
         """``GET`` / ``DELETE /v1/responses/{id}``, ``GET .../input_items`` and ``POST .../cancel``:
-        asked of the worker that keeps the Response, else (ids of other servers) of each worker in turn until one has it."""
+        asked of the worker that keeps the Response, else (ids of other servers) of each worker in
+        turn until one has it."""
         route = "/v1/responses/{id}"
         rid = request.match_info["response_id"]
         holder = self._response_holder(rid)

@@ -450,10 +450,11 @@ class EventStream:
 
 
 class ResponsesRoutes:
-    """The Responses API's routes: ``POST /v1/responses`` and the kept Responses' ``GET``, ``DELETE``
-    and input items. Mixed into the server's handlers (:mod:`plaserve.server.app`), whose chat path
-    runs them (``_chat_tools``, ``_chat_prompt``, ``_start``, ``_wait``, ``_pieces``, ``_guarded``) and
-    whose ``store`` keeps them."""
+    """The Responses API's routes: ``POST /v1/responses`` (whole, streamed or in the background) and
+    the kept Responses' ``GET``, ``DELETE``, input items and ``cancel``. Mixed into the server's
+    handlers (:mod:`plaserve.server.app`), whose chat path runs them (``_chat_tools``,
+    ``_chat_prompt``, ``_start``, ``_wait``, ``_pieces``, ``_guarded``) and whose ``store`` keeps
+    them."""
 
     store: ResponseStore
     _background: dict[str, asyncio.Task]  # background Responses still generating, by id
