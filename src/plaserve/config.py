@@ -29,7 +29,7 @@ class SchedulerConfig:
     max_prefill_steps_between_decodes: int = (
         2  # pla: steps without decodes in a row (bounds time between tokens)
     )
-    long_aging: float = 0.03  # pla: long queue order = predicted prefill time - long_aging * time waited (docs/POLICIES.md)
+    long_aging: float = 0.02  # pla: long queue order = predicted prefill time - long_aging * time waited (docs/POLICIES.md)
     light_load: float = 0.5  # pla: below this busy share of the last 10 s (and no short waiting) a long prefill runs whole (0: never)
     late_yield: float = 2.0  # pla: a request given up to keep others on time queues behind them until it has waited this many SLOs (0: never)
     static_short_batches: bool = (
