@@ -31,20 +31,21 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or text parts joined (other parts are a 400)."""
+def _text_of(content: Any, where: str, kinds: tuple[str, ...] = TEXT_PARTS) -> str:
+    """Content that is a string, or text parts (of ``kinds``) joined; any other part is a 400."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InputError(f"{where}.content must be a string or an array of parts", where, 422)
+        raise InputError(f"{where} must be a string or an array of text parts", where, 422)
     texts = []
-    for part in content:
+    for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in kinds:
             raise InputError(
-                f"{where}: only text content is supported, got a part of type {kind!r}", where
+                f"{where}[{i}]: only text is supported here, got a part of type {kind!r}",
+                f"{where}[{i}]",
             )
-        texts.append(part["text"])
+        texts.append(_string(part, "text", f"{where}[{i}]"))
     return "".join(texts)
 
 
@@ -99,28 +100,13 @@ def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise InputError(
                 f"{where}.role must be one of {sorted(ROLES)}, got {item.get('role')!r}", where
             )
-        messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+        messages.append(
+            {"role": role, "content": _text_of(item.get("content"), f"{where}.content")}
+        )
     return messages
 
 
 # --- Anthropic's Messages API ------------------------------------------------------------------
-
-
-def _blocks_text(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InputError(f"{where}: must be a string or an array of text blocks", where, 422)
-    parts = []
-    for i, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-        if kind != "text":
-            raise InputError(
-                f"{where}[{i}]: only text blocks are supported here, got {kind!r}", f"{where}[{i}]"
-            )
-        parts.append(_string(block, "text", f"{where}[{i}]"))
-    return "".join(parts)
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -157,7 +143,7 @@ def _anthropic_message(message: Any, where: str) -> list[dict[str, Any]]:
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_use(block, at))
         elif kind == "tool_result" and role == "user":
-            output = _blocks_text(block.get("content", ""), f"{at}.content")
+            output = _text_of(block.get("content", ""), f"{at}.content", ("text",))
             results.append(
                 {
                     "role": "tool",
@@ -188,7 +174,7 @@ def anthropic_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise InputError("field 'messages' must be a non-empty array", "messages", 422)
     out = []
     if body.get("system") is not None:
-        out.append({"role": "system", "content": _blocks_text(body["system"], "system")})
+        out.append({"role": "system", "content": _text_of(body["system"], "system", ("text",))})
     for i, message in enumerate(messages):
         out += _anthropic_message(message, f"messages[{i}]")
     return out

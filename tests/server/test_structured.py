@@ -266,6 +266,26 @@ def _flat(tools: list[dict]) -> list[dict]:
     return [{"type": "function", **t["function"]} for t in tools]
 
 
+def _assert_chat_answers_alike(
+    client: openai.OpenAI, resp, messages: list, max_tokens: int
+) -> None:
+    """``resp`` (a Response sampled with seed 2, tools offered and not called) is what chat answers
+    for ``messages``: the same text from the same prompt."""
+    from .test_tools import TOOLS
+
+    chat = client.chat.completions.create(
+        model=_model(client),
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=max_tokens,
+        seed=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_function_calls_on_responses(client: openai.OpenAI, stream: bool) -> None:
     """Function tools on the Responses API: a named or required choice gives function call items,
@@ -343,17 +363,7 @@ def test_function_calls_on_responses(client: openai.OpenAI, stream: bool) -> Non
         max_output_tokens=12,
         extra_body={"seed": 2, "ignore_eos": True},
     )
-    chat = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        tools=TOOLS,
-        tool_choice="none",
-        max_tokens=12,
-        seed=2,
-        extra_body={"ignore_eos": True},
-    )
-    assert resp.output_text == chat.choices[0].message.content
-    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    _assert_chat_answers_alike(client, resp, messages, 12)
 
 
 def test_an_agent_loop_continues_by_previous_response_id(client: openai.OpenAI) -> None:
@@ -384,21 +394,12 @@ def test_an_agent_loop_continues_by_previous_response_id(client: openai.OpenAI) 
     )
     tool_call = {"id": call.call_id, "type": "function"}
     tool_call["function"] = {"name": call.name, "arguments": call.arguments}
-    chat = client.chat.completions.create(
-        model=model,
-        messages=[
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": "", "tool_calls": [tool_call]},
-            {"role": "tool", "tool_call_id": call.call_id, "content": "12:00"},
-        ],
-        tools=TOOLS,
-        tool_choice="none",
-        max_tokens=8,
-        seed=2,
-        extra_body={"ignore_eos": True},
-    )
-    assert answer.output_text == chat.choices[0].message.content
-    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    history = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "12:00"},
+    ]
+    _assert_chat_answers_alike(client, answer, history, 8)
 
 
 def test_bad_schemas_and_tools_are_refused_naming_the_problem(client: openai.OpenAI) -> None:

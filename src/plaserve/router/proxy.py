@@ -302,7 +302,7 @@ class Router:
         if self.decode_tier is not None:
             return await generate_pd(self, request, path, body, job, headers, check, owner)
         stream = body.get("stream") is True
-        tried = {url for url in self.workers if owner is not None and url != owner.url}
+        tried = {url for url in self.workers if url != owner.url} if owner is not None else set()
         failure: _Failure | None = None
         for attempt in range(self.config.max_attempts):
             rid = next(self._rids)
