@@ -197,6 +197,14 @@ def test_kept_responses_are_continued_on_the_replica_that_keeps_them(client: ope
         input="long", background=True, **(kw | {"max_output_tokens": 900})
     )
     assert client.responses.cancel(long.id).status == "cancelled"
+    # a streamed one, left after three events and resumed on that replica
+    with client.responses.create(
+        input="story", background=True, stream=True, **(kw | {"max_output_tokens": 60})
+    ) as stream:
+        first = [e for _, e in zip(range(3), stream)]
+    rest = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in first + rest] == list(range(len(first + rest)))
+    assert rest[-1].type == "response.completed" and rest[-1].response.usage.output_tokens == 60
 
 
 def test_a_gateways_length_hint_prices_the_request_through_ray(

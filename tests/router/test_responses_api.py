@@ -101,6 +101,23 @@ def test_kept_responses_are_found_on_the_worker_that_keeps_them(workers_and_rout
             break
         time.sleep(0.05)
     assert polled.status == "incomplete" and polled.usage.output_tokens == 4
+    # a streamed one: its client goes after a few events, and the rest is resumed through the router
+    streamed = routed.responses.create(
+        input="streamed", background=True, stream=True, **(kw | {"max_output_tokens": 300})
+    )
+    with streamed:
+        first = [e for _, e in zip(range(4), streamed)]
+    rid = first[0].response.id
+    rest = list(routed.responses.retrieve(rid, stream=True, starting_after=3))
+    assert [e.sequence_number for e in first + rest] == list(range(len(first + rest)))
+    assert rest[-1].type == "response.completed" and rest[-1].response.usage.output_tokens == 300
+    holder = next(
+        w
+        for w in workers
+        if rid.startswith(httpx.get(f"{w.url}/load").json()["responses"]["id_prefix"])
+    )
+    again = list(_client(holder.url).responses.retrieve(rid, stream=True, starting_after=3))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in rest]
     assert holders == prefixes
 
 

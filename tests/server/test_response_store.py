@@ -200,6 +200,112 @@ def test_a_background_response_is_cancelled_and_frees_its_blocks(
         client.responses.retrieve(other.id)
     with pytest.raises(openai.BadRequestError):  # a synchronous Response cannot be cancelled
         client.responses.cancel(_ask(client, input="now").id)
-    for bad in ({"background": True, "store": False}, {"background": True, "stream": True}):
-        r = httpx.post(f"{server.url}/v1/responses", json={"input": "x", **bad})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    r = httpx.post(
+        f"{server.url}/v1/responses", json={"input": "x", "background": True, "store": False}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+
+
+def test_a_streamed_background_response_is_resumed_after_any_event(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """``background`` with ``stream``: the events stream as a plain stream's (``response.created``
+    saying ``queued``), and ``GET ...?stream=true&starting_after=N`` gives the same events after N,
+    once it ended too; only such a Response streams again."""
+    kw = {"input": "Tell me a story", "max_output_tokens": 12}
+    want = _ask(client, **kw)
+    stream = _ask(client, background=True, stream=True, **kw)
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[0].response.status == "queued"
+    assert events[1].type == "response.in_progress" and events[-1].type == "response.completed"
+    done = events[-1].response
+    assert done.background and done.output_text == want.output_text
+    assert done.usage.output_tokens == 12
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        want.output_text
+    )
+    kept = client.responses.retrieve(done.id)
+    assert kept.status == "incomplete" and kept.output_text == want.output_text
+    for after in (-1, 0, 5, len(events) - 2, len(events) - 1):
+        again = list(client.responses.retrieve(done.id, stream=True, starting_after=after))
+        assert [e.model_dump() for e in again] == [e.model_dump() for e in events[after + 1 :]]
+    # streamed again only where there is a stream: not a whole or polled background Response
+    polled = _ask(client, background=True, **kw)
+    for rid in (want.id, polled.id):
+        r = httpx.get(f"{server.url}/v1/responses/{rid}", params={"stream": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    for bad in ("x", "-2", "1.5"):
+        r = httpx.get(
+            f"{server.url}/v1/responses/{done.id}", params={"stream": "true", "starting_after": bad}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after"
+
+
+def test_a_streamed_background_response_outlives_its_client(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    """The client that asked goes away mid-stream: the Response goes on, and a reader resuming after
+    the last event it had follows it live to its end; a cancel ends every reader's stream."""
+    kw = {"input": "Write at length", "max_output_tokens": 400}
+    first: list = []
+    with _ask(client, background=True, stream=True, **kw) as stream:
+        for event in stream:
+            first.append(event)
+            if len(first) == 6:
+                break  # the connection closes here
+    rid = first[0].response.id
+    assert client.responses.retrieve(rid).status == "in_progress"
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=5))
+    assert rest[0].sequence_number == 6 and rest[-1].type == "response.completed"
+    deltas = [e.delta for e in first + rest if e.type == "response.output_text.delta"]
+    final = rest[-1].response
+    assert "".join(deltas) == final.output_text and final.usage.output_tokens == 400
+    assert client.responses.retrieve(rid).output_text == final.output_text
+    # cancelled while two readers follow it: both streams end, its blocks are freed
+    long = _ask(client, background=True, stream=True, **(kw | {"max_output_tokens": 2000}))
+    opened = next(iter(long))
+    reader = client.responses.retrieve(opened.response.id, stream=True, starting_after=0)
+    next(iter(reader))
+    assert client.responses.cancel(opened.response.id).status == "cancelled"
+    for s in (long, reader):
+        assert all(e.type != "response.completed" for e in s)  # ends, without completing
+    assert client.responses.retrieve(opened.response.id).status == "cancelled"
+    deadline = time.monotonic() + 10
+    while (
+        httpx.get(f"{server.url}/load").json()["kv"]["used_blocks"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/load").json()["kv"]["used_blocks"] == 0
+
+
+def test_an_event_log_is_followed_by_every_reader_and_replayed_from_its_text() -> None:
+    import asyncio
+
+    from plaserve.server.response_store import EventLog
+
+    def event(n: int) -> str:
+        return f'event: e\ndata: {{"sequence_number":{n},"text":"a\\nb"}}\n\n'
+
+    async def run() -> tuple[list[str], list[str], list[str]]:
+        log = EventLog()
+        log.append(event(0))
+
+        async def read(after: int) -> list[str]:
+            return [e async for e in log.follow(after)]
+
+        early, late = asyncio.ensure_future(read(-1)), asyncio.ensure_future(read(1))
+        for n in range(1, 4):
+            await asyncio.sleep(0)  # the readers wait between events
+            log.append(event(n))
+        log.close()
+        return await early, await late, [e async for e in EventLog.replay(log.text).follow(2)]
+
+    early, late, replayed = asyncio.run(run())
+    assert early == [event(n) for n in range(4)]
+    assert late == [event(2), event(3)] and replayed == [event(3)]
+    store = ResponseStore(10**6)
+    store.put(_response("resp_a", "x"), [])
+    plain = store.bytes
+    store.put(_response("resp_a", "x"), [], events=event(0))  # the events count against the bound
+    assert store.bytes == plain + len(event(0)) and store.get("resp_a").events == event(0)

@@ -18,7 +18,8 @@ event and ``[DONE]`` (the client sees a clean error, never a hang). With no repl
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
 (``stream: true`` passed through chunk by chunk; a follow-up's ``previous_response_id`` sent to the
 replica that keeps the Response it continues), ``GET`` / ``DELETE /v1/responses/{id}``, ``GET
-/v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel`` (on that replica), ``POST
+/v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel`` (on that replica; a
+streamed background Response's events, ``GET ...?stream=true``, passed on as they come), ``POST
 /v1/messages`` and ``/v1/messages/count_tokens``, ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (the ingress's and the
 request router's counters: routing decisions by replica and class, held requests, the short pool).
 """
@@ -148,11 +149,38 @@ class OpenAIIngress:
             return _error(405, f"{path} takes {' or '.join(allowed)}, not {method}")
         target = path + (f"?{request.url.query}" if request.url.query else "")
         headers = request_headers(dict(request.headers))
+        if method == "GET" and request.query_params.get("stream") in ("true", "1"):
+            return await self._stored_events(target, headers, parts[0])
         status, body = await self.workers.stored.remote(
             method, target, headers, response_id=parts[0]
         )
         self.metrics.requests.labels(STORED + "{id}", str(status)).inc()
         return JSONResponse(body, status_code=status)
+
+    async def _stored_events(self, target: str, headers: dict, rid: str) -> Response:
+        """A streamed background Response's events (``GET ...?stream=true``), passed on as they come
+        from the replica that keeps it; one lost mid-stream ends the stream with an error event."""
+        gen = self.workers.options(stream=True).stream.remote(
+            target, None, headers, method="GET", response_id=rid
+        )
+        status, error = await gen.__anext__()
+        self.metrics.requests.labels(STORED + "{id}", str(status)).inc()
+        if status != 200:
+            return JSONResponse(error, status_code=status)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in gen:
+                    yield chunk
+            except asyncio.CancelledError:
+                gen.cancel()
+                raise
+            except Exception as e:  # noqa: BLE001 - the stream is under way: end it cleanly
+                log.warning("a kept Response's stream broke: %r", e)
+                self.metrics.stream_errors.inc()
+                yield sse_error(f"the replica failed mid-stream: {type(e).__name__}")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     async def price(
         self, path: str, body: dict[str, Any], headers: Mapping[str, str], peer: str | None

@@ -114,12 +114,18 @@ class PlaserveReplica:
         return _answer(r)
 
     async def stream(
-        self, path: str, body: dict[str, Any], headers: dict[str, str], **job: Any
+        self,
+        path: str,
+        body: dict[str, Any] | None,
+        headers: dict[str, str],
+        method: str = "POST",
+        **job: Any,
     ) -> AsyncIterator[bytes | tuple[int, Any]]:
-        """A streamed answer: first the status (an error answer as ``(status, JSON body)``, which
-        ends the stream), then the event stream's bytes as they come."""
+        """A streamed answer (or with ``GET`` a kept Response's events, ``body`` None): first the
+        status (an error answer as ``(status, JSON body)``, which ends the stream), then the event
+        stream's bytes as they come."""
         try:
-            async with self.client.stream("POST", path, json=body, headers=headers) as r:
+            async with self.client.stream(method, path, json=body, headers=headers) as r:
                 if r.status_code != 200:
                     await r.aread()
                     try:

@@ -353,11 +353,15 @@ class Router:
                 candidates += self.decode_tier.available()
         headers = request_headers(request.headers)
         timeout = aiohttp.ClientTimeout(total=self.config.health.timeout_s * 4)
+        if request.query.get("stream") in ("true", "1"):  # events for as long as the Response runs
+            timeout = aiohttp.ClientTimeout(connect=timeout.total)
         for worker in candidates:
             try:
                 async with self.session.request(
                     request.method, worker.url + request.path_qs, headers=headers, timeout=timeout
                 ) as r:
+                    if r.status == 200 and r.content_type == "text/event-stream":
+                        return await self._pass_events(request, route, worker, r)
                     data = await r.read()
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 if holder is not None:
@@ -366,6 +370,32 @@ class Router:
             if r.status != 404 or holder is not None:
                 return self._reply(route, r.status, data, response_headers(r.headers))
         return self._reply(route, 404, error_json(404, f"Response with id '{rid}' not found."))
+
+    async def _pass_events(
+        self, request: web.Request, route: str, worker: Worker, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """A kept Response's events (``GET ...?stream=true``) passed on as they come; a worker that
+        fails mid-stream ends the stream with an error event, as a generating one does."""
+        out = web.StreamResponse(
+            status=200, headers={"Content-Type": resp.content_type, "Cache-Control": "no-cache"}
+        )
+        await out.prepare(request)
+        try:
+            while chunk := await resp.content.readany():
+                await out.write(chunk)
+        except (
+            aiohttp.ClientPayloadError,
+            aiohttp.ServerDisconnectedError,
+            aiohttp.ClientOSError,
+        ) as e:
+            log.warning("worker %s failed mid-stream: %s", worker.url, e)
+            self.metrics.stream_errors.inc()
+            await out.write(sse_error(f"worker failed mid-stream: {type(e).__name__}"))
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return out  # the client left; closing the worker's response ends its stream there
+        await out.write_eof()
+        self.metrics.child(self.metrics.requests, route, "200").inc()
+        return out
 
     def _hint(
         self, request: web.Request, path: str, body: dict[str, Any]

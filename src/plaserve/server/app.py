@@ -45,7 +45,7 @@ from plaserve.server.generation import (
     until_disconnect,
 )
 from plaserve.server.metrics import ResponseStoreCollector, render_collector
-from plaserve.server.openai_responses import ResponsesRoutes
+from plaserve.server.openai_responses import Background, ResponsesRoutes
 from plaserve.server.pd import PDWorker, check_pd_request, parse_kv_transfer_params
 from plaserve.server.prompts import (
     ModelLimits,
@@ -105,7 +105,7 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         facts = engine_loop.facts
         self.pd = pd
         self.store = response_store or ResponseStore(0)  # /v1/responses' kept answers
-        self._background: dict[str, asyncio.Task] = {}  # background Responses still generating
+        self._background: dict[str, Background] = {}  # background Responses still generating
         self._store_metrics = ResponseStoreCollector(self.store.describe)
         # --generation-config: the model's defaults for fields a request leaves out; its
         # max_new_tokens caps the max_tokens an endpoint picks by itself

@@ -13,7 +13,9 @@ Finished Responses are kept (unless ``store: false``) by :mod:`plaserve.server.r
 ``GET /v1/responses/{id}`` and ``previous_response_id``, which continues a kept Response's conversation
 (its input and output items, not its ``instructions``, as OpenAI's does). ``background: true``
 answers at once with the Response ``queued``; it is generated meanwhile, kept ``in_progress`` and
-then finished (``GET`` polls it, ``POST /v1/responses/{id}/cancel`` stops it). ``conversation`` is
+then finished (``GET`` polls it, ``POST /v1/responses/{id}/cancel`` stops it); with ``stream: true``
+its events stream as they come and are kept, so that ``GET /v1/responses/{id}?stream=true
+&starting_after=N`` resumes the stream (the generation goes on when its client goes). ``conversation`` is
 not offered; built-in tools (web search, files, computer use, MCP), reasoning
 items and non-text inputs are a 400 naming the field.
 """
@@ -26,6 +28,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -36,7 +39,7 @@ from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.errors import ApiError
 from plaserve.server.generation import EventStreamResponse, Generation
 from plaserve.server.protocol import parse_chat_request
-from plaserve.server.response_store import ResponseStore, Stored
+from plaserve.server.response_store import EventLog, ResponseStore, Stored
 from plaserve.server.tool_parsers import ToolParser
 
 # Accepted and passed to the chat request as they are: the sampling fields both APIs share, and
@@ -357,10 +360,10 @@ class EventStream:
         return f"event: {kind}\ndata: {data}\n\n"
 
     def opening(self, started: dict[str, Any]) -> list[str]:
-        return [
-            self.event("response.created", response=started),
-            self.event("response.in_progress", response=started),
-        ]
+        return [self.event("response.created", response=started), self.in_progress(started)]
+
+    def in_progress(self, started: dict[str, Any]) -> str:
+        return self.event("response.in_progress", response=started)
 
     def _open_message(self) -> list[str]:
         self.opened = True
@@ -449,6 +452,28 @@ class EventStream:
         return [*events, self.event("response.completed", response=done)]
 
 
+@dataclass
+class Background:
+    """A background Response still generating: its task, and its events where it streams."""
+
+    task: asyncio.Task
+    log: EventLog | None
+
+
+def _starting_after(query: Mapping[str, str]) -> int:
+    """``starting_after`` of ``GET /v1/responses/{id}?stream=true``: a sequence number (-1: all)."""
+    value = query.get("starting_after", "-1")
+    try:
+        after = int(value)
+    except ValueError:
+        after = -2
+    if after < -1:
+        raise ApiError(
+            400, "starting_after must be an event's sequence number (>= 0)", param="starting_after"
+        )
+    return after
+
+
 class ResponsesRoutes:
     """The Responses API's routes: ``POST /v1/responses`` (whole, streamed or in the background) and
     the kept Responses' ``GET``, ``DELETE``, input items and ``cancel``. Mixed into the server's
@@ -457,7 +482,7 @@ class ResponsesRoutes:
     them."""
 
     store: ResponseStore
-    _background: dict[str, asyncio.Task]  # background Responses still generating, by id
+    _background: dict[str, Background]  # background Responses still generating, by id
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, read as the chat request it means (:mod:`openai_responses`)."""
@@ -486,23 +511,20 @@ class ResponsesRoutes:
                 "to a server that keeps Responses",
                 param="background",
             )
-        if background and req.stream:
-            raise ApiError(
-                400,
-                "background: streaming a background Response is not offered; poll GET "
-                "/v1/responses/{id}",
-                param="background",
-            )
         gen = await self._start(kvp, rid, [ids], params, 1)
         created = int(time.time())
         if background:
             queued = response(rid, created, self.model_name, body, status="queued", stored=True)
             done(queued)
-            later = self._answer_later(gen, msg_id, queued, body, parser, done)
+            log = EventLog() if req.stream else None
+            events = EventStream(rid, msg_id)
+            later = self._run_background(
+                gen, events, log, queued, body, req.sampling, parser, conversation
+            )
             task = asyncio.ensure_future(later)
-            self._background[rid] = task
+            self._background[rid] = Background(task, log)
             task.add_done_callback(lambda _: self._background.pop(rid, None))
-            return JSONResponse(queued)
+            return JSONResponse(queued) if log is None else EventStreamResponse(log.follow())
         if req.stream:
             events = EventStream(rid, msg_id)
             stream = self._stream_response(
@@ -518,49 +540,62 @@ class ResponsesRoutes:
         done(answer)
         return JSONResponse(self._kv_export(kvp, rid, outputs, answer))
 
-    async def _answer_later(
+    async def _run_background(
         self,
         gen: Generation,
-        msg_id: str,
+        events: EventStream,
+        log: EventLog | None,
         queued: dict[str, Any],
         body: dict[str, Any],
+        sampling: SamplingParams,
         parser: ToolParser | None,
-        done: Callable[[dict[str, Any]], None],
+        conversation: list[dict[str, Any]],
     ) -> None:
-        """A background Response's generation: kept ``in_progress`` from its first output, then as it
-        finished, ``cancelled`` (:meth:`cancel_response`) or ``failed``."""
-        rid, created = queued["id"], queued["created_at"]
+        """A background Response's generation, run as its stream (the events into ``log`` where it
+        was asked streamed, else dropped): kept ``in_progress`` from its first output, then as it
+        finished (with its events), ``cancelled`` (:meth:`cancel_response`) or ``failed``."""
+        latest = queued
+
+        def keep(answer: dict[str, Any]) -> None:
+            nonlocal latest
+            latest = answer
+            self.store.put(answer, conversation)
+
+        def begun() -> None:
+            keep({**queued, "status": "in_progress"})
+
+        created = queued["created_at"]
+        stream = self._stream_response(
+            gen, events, created, body, sampling, parser, True, keep, begun
+        )
         try:
-            async for _ in gen.updates():
-                if queued["status"] == "queued":
-                    queued = {**queued, "status": "in_progress"}
-                    done(queued)
-            outputs = gen.outputs()
-            text, calls = self._parsed_answer(parser, outputs[0])
-            items = function_calls(calls)
-            final = final_response(
-                rid, msg_id, created, self.model_name, body, outputs, text, items, True
-            )
+            async for event in stream:
+                if log is not None:
+                    log.append(event)
         except asyncio.CancelledError:
-            final = {**queued, "status": "cancelled"}
+            latest = {**latest, "status": "cancelled"}
         except ApiError as e:
             self.loop.count_error(e.status)
+            if log is not None:
+                log.append(events.error(e))
             error = {"code": e.code or "server_error", "message": e.message}
-            final = {**queued, "status": "failed", "error": error}
+            latest = {**latest, "status": "failed", "error": error}
         finally:
             gen.close()
-        done(final)
+            if log is not None:
+                log.close()
+        self.store.put(latest, conversation, log.text if log is not None else "")
 
     async def cancel_response(self, request: Request) -> Response:
         """``POST /v1/responses/{id}/cancel``: stop a background Response; one already finished is
         returned as it is."""
         rid, entry = self._kept(request)
-        task = self._background.get(rid)
-        if task is None and not entry.response.get("background"):
+        running = self._background.get(rid)
+        if running is None and not entry.response.get("background"):
             raise ApiError(400, "Only background responses can be cancelled.", param="response_id")
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
+        if running is not None:
+            running.task.cancel()
+            await asyncio.wait([running.task])
         kept = self.store.get(rid)
         return JSONResponse(kept.response if kept is not None else entry.response)
 
@@ -600,21 +635,30 @@ class ResponsesRoutes:
         return rid, entry
 
     async def get_response(self, request: Request) -> Response:
-        _, entry = self._kept(request)
-        if request.query_params.get("stream") in ("true", "1"):
+        """A kept Response whole, or with ``stream=true`` a streamed background Response's events
+        after ``starting_after``, following it while it runs."""
+        rid, entry = self._kept(request)
+        if request.query_params.get("stream") not in ("true", "1"):
+            return JSONResponse(entry.response)
+        after = _starting_after(request.query_params)
+        running = self._background.get(rid)
+        log = running.log if running is not None else None
+        if log is None and entry.events:
+            log = EventLog.replay(entry.events)
+        if log is None:
             raise ApiError(
                 400,
-                "stream: a kept Response is returned whole (its events are not kept to replay)",
+                "stream: only a background Response created with stream: true can be streamed",
                 param="stream",
             )
-        return JSONResponse(entry.response)
+        return EventStreamResponse(log.follow(after))
 
     async def delete_response(self, request: Request) -> Response:
         rid, _ = self._kept(request)
-        task = self._background.get(rid)
-        if task is not None:  # stopped first: it would keep itself again when it ends
-            task.cancel()
-            await asyncio.wait([task])
+        running = self._background.get(rid)
+        if running is not None:  # stopped first: it would keep itself again when it ends
+            running.task.cancel()
+            await asyncio.wait([running.task])
         self.store.delete(rid)
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
@@ -632,13 +676,23 @@ class ResponsesRoutes:
         parser: ToolParser | None,
         keep: bool,
         done: Callable[[dict[str, Any]], None],
+        begun: Callable[[], None] | None = None,
     ) -> AsyncIterator[str]:
-        """The events of a streamed Response; ``keep``: it will be stored, by ``done`` at its end."""
+        """The events of a streamed Response; ``keep``: it will be stored, by ``done`` at its end.
+        ``begun``, a background Response's: its ``response.created`` says ``queued``, and its
+        ``response.in_progress`` waits for the first output, when ``begun`` is called."""
         rid, msg_id = events.rid, events.msg_id
         started = response(rid, created, self.model_name, body, stored=keep)
-        for event in events.opening(started):
-            yield event
+        if begun is None:
+            for event in events.opening(started):
+                yield event
+        else:
+            yield events.event("response.created", response={**started, "status": "queued"})
         async for text, call, call_id in self._pieces(gen, sampling, parser):
+            if begun is not None:
+                begun()
+                begun = None
+                yield events.in_progress(started)
             piece = events.delta(text) if call is None else []
             if call is not None:
                 piece = events.call(call.index, call_id, call.name, call.arguments)

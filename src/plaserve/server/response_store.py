@@ -9,13 +9,19 @@ restart, which is why it is off there by default).
 
 Ids carry the store's ``tag`` (``resp_<tag><random>``), and ``/load`` reports it, so a router finds
 the worker that holds a Response from its id alone (plaserve.router.proxy).
+
+A streamed background Response's events are kept too (:class:`EventLog` while it runs, then in its
+entry, counted against the bound), so that ``GET /v1/responses/{id}?stream=true&starting_after=N``
+resumes a stream whose client went away, while the Response runs or after it ended.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +37,12 @@ class Stored:
 
     response_json: str
     items_json: str
+    events: str = ""  # a streamed background Response's server-sent events, as they went out
 
     @property
     def size(self) -> int:
-        """Characters of JSON, as counted against the store's bound."""
-        return len(self.response_json) + len(self.items_json)
+        """Characters of JSON (and events), as counted against the store's bound."""
+        return len(self.response_json) + len(self.items_json) + len(self.events)
 
     @property
     def response(self) -> dict[str, Any]:
@@ -79,10 +86,12 @@ class ResponseStore:
     def new_id(self) -> str:
         return self.id_prefix + uuid.uuid4().hex
 
-    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]]) -> bool:
-        """Keep ``response`` (by its ``id``) with the items it answered; False where it alone is larger
-        than the whole store (then nothing is kept)."""
-        entry = Stored(_compact(response), _compact(input_items))
+    def put(
+        self, response: dict[str, Any], input_items: list[dict[str, Any]], events: str = ""
+    ) -> bool:
+        """Keep ``response`` (by its ``id``) with the items it answered (and its stream's ``events``);
+        False where it alone is larger than the whole store (then nothing is kept)."""
+        entry = Stored(_compact(response), _compact(input_items), events)
         if not self.enabled or entry.size > self.max_bytes:
             return False
         self.delete(response["id"])
@@ -118,3 +127,50 @@ class ResponseStore:
             "max_bytes": self.max_bytes,
             "evicted": self.evicted,
         }
+
+
+class EventLog:
+    """A streamed background Response's server-sent events in order (an event's index is its
+    ``sequence_number``), for any number of readers: the client that asked for it and those that
+    resume it. It is written from the server's event loop only."""
+
+    def __init__(self, events: list[str] | None = None, closed: bool = False) -> None:
+        self.events = events if events is not None else []
+        self.closed = closed
+        self._wake = asyncio.Event()  # set (and replaced) at each change, for the readers waiting
+
+    @classmethod
+    def replay(cls, text: str) -> "EventLog":
+        """The closed log of a finished stream's ``text`` (:attr:`text`). Each event ends with a blank
+        line and holds none: its data is one line of JSON, which escapes line breaks."""
+        return cls([event + "\n\n" for event in text.split("\n\n")[:-1]], closed=True)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.events)
+
+    def _changed(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def append(self, event: str) -> None:
+        self.events.append(event)
+        self._changed()
+
+    def close(self) -> None:
+        """No more events: the readers end once they have the last."""
+        self.closed = True
+        self._changed()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number ``after`` (all by default), then each new one as it comes,
+        until the log is closed."""
+        index = after + 1
+        while True:
+            wake = self._wake  # taken before looking, so a change after the look wakes this reader
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.closed:
+                return
+            await wake.wait()
