@@ -39,10 +39,13 @@ def replica(name: str, backlog: float = 0.0, age: float = 0.0) -> SimpleNamespac
 _ids = iter(range(10**6))
 
 
-def pending(tokens: list[int], cls: str, waited: float = 0.0) -> PendingRequest:
+def pending(
+    tokens: list[int] | None = None, cls: str = "", waited: float = 0.0, kwargs: dict | None = None
+) -> PendingRequest:
+    """A call as Ray hands it to the router: the ingress's ``kwargs``, or just lengths and class."""
     return PendingRequest(
         args=[],
-        kwargs={"tokens": tokens, "length_class": cls},
+        kwargs=kwargs if kwargs is not None else {"tokens": tokens, "length_class": cls},
         metadata=SimpleNamespace(internal_request_id=f"req-{next(_ids)}"),
         created_at=time.time() - waited,
     )
@@ -183,12 +186,7 @@ def test_a_trusted_gateways_hint_prices_the_request_the_router_places() -> None:
 
         # The request router prices the call by the hint's 1,200 tokens, not the body's 8 bytes.
         r, reps = router(), [replica("a"), replica("b")]
-        req = PendingRequest(
-            args=[],
-            kwargs=hinted,
-            metadata=SimpleNamespace(internal_request_id=f"req-{next(_ids)}"),
-            created_at=time.time(),
-        )
+        req = pending(kwargs=hinted)
         ranks = await r.choose_replicas(reps, req)
         r.on_request_routed(req, ranks[0][0].replica_id, None)
         w = r.workers[ranks[0][0].replica_id]
@@ -199,6 +197,39 @@ def test_a_trusted_gateways_hint_prices_the_request_the_router_places() -> None:
         assert metric("plaserve_ray_length_hint_relative_error_bucket", le="0.25") == 1 + metric(
             "plaserve_ray_length_hint_relative_error_bucket", le="0.1"
         )
+
+    asyncio.run(main())
+
+
+def test_a_conversations_turns_go_to_the_replica_that_caches_its_history() -> None:
+    """The ingress sends the prompt's key with its length: the request router prices each replica
+    after the part of the prompt it likely caches, so the next turn of a conversation goes where the
+    turns before went (the tie-break alone would send it to the other replica), as a short request."""
+
+    async def main() -> None:
+        ingress = OpenAIIngress(None, short_threshold=512)
+        doc = "".join(f"line {i} of a long document. " for i in range(150))
+        messages = [{"role": "user", "content": doc}]
+        r, reps = router(), [replica("a"), replica("b")]
+        for stats in (reps[0].routing_stats, reps[1].routing_stats):
+            stats["cache_tokens"] = 100_000  # as the replicas' /load reports their KV cache
+        routed = []
+        for turn in range(3):
+            job, _ = await ingress.price("/v1/chat/completions", {"messages": messages}, {}, None)
+            assert job["prompt_chars"] > len(doc) and job["prompt_chunks"]
+            req = pending(kwargs=job)
+            ranks = await r.choose_replicas(reps, req)
+            r.on_request_routed(req, ranks[0][0].replica_id, None)
+            routed.append((first(ranks), r._jobs[req.metadata.internal_request_id].job))
+            r.on_request_completed(ranks[0][0].replica_id, req.metadata.internal_request_id)
+            messages += [
+                {"role": "assistant", "content": "an answer"},
+                {"role": "user", "content": f"and line {turn}?"},
+            ]
+        assert len({name for name, _ in routed}) == 1
+        assert [job.length_class for _, job in routed] == ["long", "short", "short"]
+        w = r.workers[reps[0].replica_id if routed[0][0] == "a" else reps[1].replica_id]
+        assert w.cached_tokens_total > 2 * 1000 and len(w.prefixes) > 0
 
     asyncio.run(main())
 

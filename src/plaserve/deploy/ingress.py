@@ -48,6 +48,7 @@ from plaserve.router.forward import FirstTokenScanner, error_json, request_heade
 from plaserve.router.hints import HintCheck, HintError, LengthHints, forwarded
 from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.pools import LONG, SHORT
+from plaserve.router.prefixes import prompt_key
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +204,9 @@ class OpenAIIngress:
         self.metrics.pricing.priced_tokens.labels(est.method).inc(sum(est.tokens))
         cls = SHORT if sum(est.tokens) < self.short_threshold else LONG
         job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}
+        prompt = prompt_key(path, body)
+        if prompt is not None:  # the request router prices it after each replica's cached part
+            job |= {"prompt_chunks": list(prompt.chunks), "prompt_chars": prompt.chars}
         check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
         return job, check
 

@@ -35,6 +35,7 @@ import httpx
 
 from plaserve.launcher import ServerProcess
 from plaserve.router.health import parse_response_prefix
+from plaserve.router.prefixes import cache_tokens
 
 
 class ReplicaError(RuntimeError):
@@ -176,6 +177,7 @@ class PlaserveReplica:
             "cost_model": load.get("cost_model"),
             "short_threshold": load.get("short_threshold"),
             "response_prefix": parse_response_prefix(load),
+            "cache_tokens": cache_tokens(load),
             # When the state described was current, on this machine's wall clock (the router's
             # clock is the wall clock too: Ray's processes may run on different machines).
             "as_of": time.time() - float(load.get("age_s", 0.0)),

@@ -46,7 +46,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -56,6 +56,7 @@ from plaserve.router.config import RouterConfig
 from plaserve.router.costs import DEFAULT_SHORT_THRESHOLD, cost_model_from_dict, default_cost_model
 from plaserve.router.policies import Job, PlaPolicy
 from plaserve.router.pools import LONG, SHORT
+from plaserve.router.prefixes import PromptKey
 from plaserve.router.workers import LoadReport, Worker
 
 
@@ -133,7 +134,12 @@ class PlaRequestRouter(RequestRouter):
         rid = replica.replica_id
         w = self.workers.get(rid)
         if w is None:
-            w = Worker(rid.unique_id, self._fallback_cost, self.config.breaker)
+            w = Worker(
+                rid.unique_id,
+                self._fallback_cost,
+                self.config.breaker,
+                prefix_cache_tokens=self.config.prefix_cache_tokens,
+            )
             self.workers[rid] = w
         stats = replica.routing_stats or {}
         model = cost_model_from_dict(stats.get("cost_model"), source="replica")
@@ -141,6 +147,8 @@ class PlaRequestRouter(RequestRouter):
             w.cost_model, w.reports_cost = model, True
         prefix = stats.get("response_prefix")
         w.response_prefix = prefix if isinstance(prefix, str) else None
+        if isinstance(stats.get("cache_tokens"), int):
+            w.prefixes.resize(stats["cache_tokens"])
         report = report_from_stats(stats, time.time(), now)
         if report is not None and (w.load is None or report.received > w.load.received + 1e-6):
             w.load = report
@@ -167,14 +175,25 @@ class PlaRequestRouter(RequestRouter):
                 return t
         return DEFAULT_SHORT_THRESHOLD
 
-    def _job(self, pending: Optional[PendingRequest], replicas: list[RunningReplica]) -> Job:
+    def _job(
+        self,
+        pending: Optional[PendingRequest],
+        replicas: list[RunningReplica],
+        workers: Sequence[Worker] = (),
+    ) -> Job:
+        """The request's job from the ingress's keywords: classed by what it would prefill on the
+        replica that likely caches most of its prompt, where the ingress sent the prompt's key."""
         kwargs = pending.kwargs if pending is not None else {}
         tokens = kwargs.get("tokens") or (1,)
         tokens = tuple(int(t) for t in tokens)
+        arrival = time.monotonic() - (time.time() - pending.created_at) if pending else 0.0
+        chunks, chars = kwargs.get("prompt_chunks"), kwargs.get("prompt_chars")
+        if self.config.prefix_aware and isinstance(chunks, list) and isinstance(chars, int):
+            prompt = PromptKey(tuple(chunks), chars)
+            return Job.of(tokens, prompt, arrival, self._threshold(replicas), workers)
         cls = kwargs.get("length_class")
         if cls not in (SHORT, LONG):
             cls = SHORT if sum(tokens) < self._threshold(replicas) else LONG
-        arrival = time.monotonic() - (time.time() - pending.created_at) if pending else 0.0
         return Job(tokens, cls, arrival)
 
     # --- the decision ----------------------------------------------------------------------------
@@ -196,7 +215,7 @@ class PlaRequestRouter(RequestRouter):
         self._forget_abandoned(now)
         workers = [self._worker(r, now) for r in candidate_replicas]
         by_worker = {id(w): r for w, r in zip(workers, candidate_replicas)}
-        job = self._job(pending_request, candidate_replicas)
+        job = self._job(pending_request, candidate_replicas, workers)
         rid = pending_request.metadata.internal_request_id if pending_request else None
         self._unreserve(rid)  # a request chosen for before and not sent: choose afresh
         self.policy.tick(workers, now)
@@ -211,13 +230,17 @@ class PlaRequestRouter(RequestRouter):
             chosen = self.policy.choose_now(job, workers, now)
         rest = sorted(
             (w for w in workers if w is not chosen),
-            key=lambda w: (self.policy.backlog(w, now) + w.cost(job.tokens), w.work_total),
+            key=lambda w: (
+                self.policy.backlog(w, now) + w.cost(job.tokens, job.prompt),
+                w.work_total,
+            ),
         )
         if rid is not None:
             # The cost joins the chosen replica's backlog now, not when Ray has sent the request
             # (after probing the replica's queue): requests routed meanwhile must see it.
             replica = by_worker[id(chosen)]
-            chosen.start(rid, chosen.cost(job.tokens), job.total_tokens, job.length_class, now)
+            cost = chosen.cost(job.tokens, job.prompt)
+            chosen.start(rid, cost, job.total_tokens, job.length_class, now, job.prompt)
             self._jobs[rid] = _Routed(replica.replica_id, replica.replica_id, job, now)
         for w in workers:
             self.metrics.backlog.labels(w.url).set(self.policy.backlog(w, now))
@@ -264,7 +287,8 @@ class PlaRequestRouter(RequestRouter):
             w = self.workers.get(replica_id)
             if w is None:
                 return
-            w.start(rid, w.cost(job.tokens), job.total_tokens, job.length_class, now)
+            cost = w.cost(job.tokens, job.prompt)
+            w.start(rid, cost, job.total_tokens, job.length_class, now, job.prompt)
             entry = _Routed(replica_id, entry.first if entry else replica_id, job, now)
             self._jobs[rid] = entry
         entry.sent = True
@@ -272,7 +296,9 @@ class PlaRequestRouter(RequestRouter):
         if isinstance(job_id, str):
             entry.job_id, self._by_job[job_id] = job_id, rid
         w = self.workers[replica_id]
-        self.policy.on_dispatch(job, w, w.cost(job.tokens), now)
+        # priced when it was reserved: its prompt counts as cached there since
+        sent = w.inflight.get(rid)
+        self.policy.on_dispatch(job, w, sent.cost if sent else w.cost(job.tokens), now)
         self.metrics.routed.labels(replica_id.unique_id, job.length_class).inc()
         self.metrics.first_choice.labels(entry.first.unique_id, job.length_class).inc()
 

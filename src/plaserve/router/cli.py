@@ -89,6 +89,20 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         default=RouterConfig.request_timeout_s,
         help="a worker silent this long fails the request (default %(default)s)",
     )
+    p.add_argument(
+        "--no-prefix-aware",
+        dest="prefix_aware",
+        action="store_false",
+        help="price every request by its whole prompt, not after what each worker's prefix cache "
+        "likely holds of it",
+    )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=RouterConfig.prefix_cache_tokens,
+        help="KV cache tokens assumed of a worker whose /load does not report its cache, as vLLM's "
+        "and SGLang's do not (default %(default)s)",
+    )
     p.add_argument("--health-check-interval-secs", type=float, default=HealthConfig.interval_s)
     p.add_argument("--health-check-timeout-secs", type=float, default=HealthConfig.timeout_s)
     p.add_argument("--health-failure-threshold", type=int, default=HealthConfig.failure_threshold)
@@ -152,6 +166,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout_secs,
         worker_api_key=args.api_key,
         seed=args.seed,
+        prefix_aware=args.prefix_aware,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         length_hints=args.trust_length_hints_from,
         health=HealthConfig(
             interval_s=args.health_check_interval_secs,

@@ -85,6 +85,10 @@ class RouterConfig:
         None  # sent on the router's own calls (/load, /tokenize); clients' keys pass through
     )
     seed: int = 0  # power_of_two's sampling
+    # Price each request after what each worker's prefix cache likely holds of it (router/prefixes.py);
+    # a worker whose /load does not report its KV cache (vLLM, SGLang) is taken to hold this many tokens.
+    prefix_aware: bool = True
+    prefix_cache_tokens: int = 1 << 18
     # Whose x-prompt-tokens headers price requests (router/hints.py); the default trusts no one.
     length_hints: LengthHints = field(default_factory=LengthHints)
     health: HealthConfig = field(default_factory=HealthConfig)

@@ -55,9 +55,9 @@ class DispatchCore(Generic[H]):
 
     def commit(self, job: Job, worker: Worker, rid: int, now: float) -> float:
         """Count ``job`` in ``worker``'s backlog; returns its predicted cost there."""
-        cost = worker.cost(job.tokens)
+        cost = worker.cost(job.tokens, job.prompt)
         self.policy.on_dispatch(job, worker, cost, now)
-        worker.start(rid, cost, job.total_tokens, job.length_class, now)
+        worker.start(rid, cost, job.total_tokens, job.length_class, now, job.prompt)
         return cost
 
     def place(

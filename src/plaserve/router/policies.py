@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from plaserve.router.config import RouterConfig
-from plaserve.router.pools import SHORT, PoolController
+from plaserve.router.pools import LONG, SHORT, PoolController
+from plaserve.router.prefixes import PromptKey
 from plaserve.router.workers import Worker
 
 
@@ -52,10 +53,27 @@ class Job:
     tokens: tuple[int, ...]  # prompt tokens of each prompt (a completion request may carry several)
     length_class: str  # SHORT or LONG
     arrival: float = 0.0  # router clock when the request came in
+    prompt: PromptKey | None = None  # its one prompt's key: priced after each worker's cached part
 
     @property
     def total_tokens(self) -> int:
         return sum(self.tokens)
+
+    @classmethod
+    def of(
+        cls,
+        tokens: tuple[int, ...],
+        prompt: PromptKey | None,
+        arrival: float,
+        short_threshold: int,
+        workers: Sequence[Worker],
+    ) -> "Job":
+        """A request's job, classed by the tokens it would prefill on the worker that likely caches
+        most of its prompt (the workers' schedulers class it by its uncached tokens too)."""
+        new = sum(tokens)
+        if prompt is not None and len(tokens) == 1:
+            new -= max((w.prefixes.cached_tokens(prompt, new) for w in workers), default=0)
+        return cls(tokens, SHORT if new < short_threshold else LONG, arrival, prompt)
 
 
 class Policy:
@@ -154,7 +172,7 @@ class PlaPolicy(Policy):
     def _place(
         self, job: Job, workers: Sequence[Worker], backlogs: list[float], now: float
     ) -> Worker | None:
-        costs = [w.cost(job.tokens) for w in workers]
+        costs = [w.cost(job.tokens, job.prompt) for w in workers]
         if job.length_class == SHORT:
             i = min(
                 range(len(workers)), key=lambda i: (backlogs[i] + costs[i], workers[i].work_total)
@@ -195,7 +213,10 @@ class PlaPolicy(Policy):
         chosen = self.choose(job, workers, now)
         if chosen is not None:
             return chosen
-        return min(workers, key=lambda w: (self.backlog(w, now) + w.cost(job.tokens), w.work_total))
+        return min(
+            workers,
+            key=lambda w: (self.backlog(w, now) + w.cost(job.tokens, job.prompt), w.work_total),
+        )
 
     def next_wakeup(self, workers: Sequence[Worker], now: float) -> float | None:
         # Reported backlogs drain with time: the next moment one crosses the horizon or the budget.

@@ -57,7 +57,7 @@ from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
 from plaserve.router.pd import DecodeTier, generate_pd
 from plaserve.router.policies import Job, make_policy
-from plaserve.router.pools import LONG, SHORT
+from plaserve.router.prefixes import cache_tokens, prompt_key
 from plaserve.router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,13 @@ class Router:
     # --- workers ---------------------------------------------------------------------------------
     def _new_worker(self, url: str) -> Worker:
         cost = self._profile_cost or self._shared_cost or default_cost_model()
-        worker = Worker(url, cost, self.config.breaker, healthy=False)
+        worker = Worker(
+            url,
+            cost,
+            self.config.breaker,
+            healthy=False,
+            prefix_cache_tokens=self.config.prefix_cache_tokens,
+        )
         self.workers[worker.url] = worker
         return worker
 
@@ -209,6 +215,9 @@ class Router:
                     for w in self.workers.values():
                         if not w.reports_cost:
                             w.cost_model = model
+        cache = cache_tokens(load)
+        if cache is not None:
+            worker.prefixes.resize(cache)
         threshold = load.get("short_threshold")
         if self.threshold_source == "default" and isinstance(threshold, int) and threshold > 0:
             self.short_threshold, self.threshold_source = threshold, f"worker {worker.url}"
@@ -295,7 +304,9 @@ class Router:
         self.metrics.child(self.metrics.estimates, est.method).inc()
         self.metrics.child(self.metrics.pricing.priced_tokens, est.method).inc(sum(est.tokens))
         check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
-        job = Job(est.tokens, SHORT if sum(est.tokens) < self.short_threshold else LONG, arrival)
+        prompt = prompt_key(path, body) if self.config.prefix_aware else None
+        workers = self.dispatcher.available(arrival)
+        job = Job.of(est.tokens, prompt, arrival, self.short_threshold, workers)
         headers = forwarded(request_headers(request.headers), used=hint is not None)
         # a Response that continues a kept one runs where that one is kept (plaserve workers)
         owner = self._response_holder(body.get("previous_response_id"))

@@ -1,5 +1,8 @@
 """Per-worker state: health, circuit breaker, requests in flight, and the virtual backlog.
 
+A request is priced on a worker by its cost model, after what the worker's prefix cache likely holds
+of its prompt (:mod:`plaserve.router.prefixes`).
+
 The virtual backlog ``B_k`` of worker ``k`` is the predicted prefill work (seconds, by the worker's
 cost model) that stands between a new request and its first token there:
 
@@ -30,6 +33,7 @@ from typing import Sequence
 from plaserve.cost import CostModel
 from plaserve.router.breaker import CircuitBreaker
 from plaserve.router.config import BreakerConfig
+from plaserve.router.prefixes import PrefixIndex, PromptKey
 
 
 @dataclass
@@ -61,7 +65,13 @@ class Worker:
     """
 
     def __init__(
-        self, url: str, cost_model: CostModel, breaker: BreakerConfig, *, healthy: bool = True
+        self,
+        url: str,
+        cost_model: CostModel,
+        breaker: BreakerConfig,
+        *,
+        healthy: bool = True,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.url = url.rstrip("/")
         self.cost_model = (
@@ -76,6 +86,9 @@ class Worker:
         self.supports_load: bool | None = None  # None: not asked yet
         self.supports_tokenize: bool | None = None
         self.response_prefix: str | None = None  # the ids of the Responses it keeps (its /load)
+        # the prompts sent here, as far as its prefix cache holds them (its /load resizes it)
+        self.prefixes = PrefixIndex(prefix_cache_tokens)
+        self.cached_tokens_total = 0  # prompt tokens priced as cached here, every request so far
         self.health_path = (
             "/health"  # becomes /v1/models for servers with only the OpenAI endpoints
         )
@@ -93,8 +106,12 @@ class Worker:
         return f"Worker({self.url!r}, healthy={self.healthy}, inflight={len(self.inflight)})"
 
     # --- what policies read ------------------------------------------------------------------
-    def cost(self, tokens: Sequence[int]) -> float:
-        """Predicted prefill seconds of a request with these prompt lengths (one entry per prompt)."""
+    def cost(self, tokens: Sequence[int], prompt: PromptKey | None = None) -> float:
+        """Predicted prefill seconds of a request with these prompt lengths (one entry per prompt);
+        one prompt with its ``prompt`` key is priced after the part of it likely cached here."""
+        if prompt is not None and len(tokens) == 1:
+            h = self.prefixes.cached_tokens(prompt, tokens[0])
+            return self.cost_model.prefill_time(tokens[0] - h, h)
         return sum(self.cost_model.prefill_time(n) for n in tokens)
 
     def backlog(self, now: float, load_stale_s: float = float("inf")) -> float:
@@ -124,8 +141,19 @@ class Worker:
         return self.healthy and not self.removed and self.breaker.allows(now)
 
     # --- what the proxy reports ----------------------------------------------------------------
-    def start(self, rid: int, cost: float, tokens: int, length_class: str, now: float) -> None:
-        """A request was dispatched here."""
+    def start(
+        self,
+        rid: int,
+        cost: float,
+        tokens: int,
+        length_class: str,
+        now: float,
+        prompt: PromptKey | None = None,
+    ) -> None:
+        """A request was dispatched here (its ``prompt`` is remembered as cached here from now)."""
+        if prompt is not None:
+            self.cached_tokens_total += self.prefixes.cached_tokens(prompt, tokens)
+            self.prefixes.add(prompt)
         self.inflight[rid] = InFlight(cost, tokens, length_class, now)
         self.requests_total += 1
         self.work_total += cost
@@ -185,4 +213,6 @@ class Worker:
             "supports_load": self.supports_load,
             "health_path": self.health_path,
             "cost_model": self.cost_model.as_dict(),
+            "prefix_index": {"chunks": len(self.prefixes), "capacity": self.prefixes.capacity},
+            "cached_tokens_total": self.cached_tokens_total,
         }
