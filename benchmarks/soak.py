@@ -5,7 +5,8 @@ Two targets run side by side, each with its own open-loop client: ``plaserve ser
 embedded default model). Arrivals follow a Poisson process; prompt and output lengths come from a real
 trace (scaled). The mix is what a server meets in a day: streamed and whole completions, chat, ``n`` = 2,
 Responses (half of them continuing an earlier one by ``previous_response_id``, against a store small
-enough to fill and forget, ``--response-store-mib``) and Anthropic Messages, clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
+enough to fill and forget, ``--response-store-mib``; a fifth streamed in the background, left after
+three events, then resumed or cancelled) and Anthropic Messages, clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
 that must get a 4xx.
 
 Every ``--sample-every`` seconds it records, for each process: resident memory (VmRSS), open file
@@ -92,11 +93,52 @@ async def worker_books(session: aiohttp.ClientSession, worker: str) -> tuple[int
         return load["kv"]["used_blocks"], load["responses"]["bytes"]
 
 
+async def background_stream(
+    session: aiohttp.ClientSession, target: Target, rng: random.Random, prompt_len: int, out: int
+) -> None:
+    """A streamed background Response whose client leaves after three events; then either resumed
+    (``GET ...?stream=true&starting_after=2``, which must end with ``response.completed``) or
+    cancelled. One that ended meanwhile and that the store forgot since is a 404, counted apart."""
+    body = {"input": "x" * prompt_len, "max_output_tokens": out, "ignore_eos": True}
+    body |= {"background": True, "stream": True}
+    async with session.post(f"{target.url}/v1/responses", json=body) as r:
+        if r.status != 200:
+            await r.read()
+            target.count(f"http_{r.status}")
+            return
+        events: list[dict] = []
+        async for line in r.content:
+            if line.startswith(b"data:"):
+                events.append(json.loads(line[5:]))
+                if len(events) == 3:
+                    break  # leaving the block closes the connection mid-stream
+    rid = events[0]["response"]["id"]
+    if rng.random() < 0.3:
+        async with session.post(f"{target.url}/v1/responses/{rid}/cancel") as r:
+            await r.read()
+            target.count(_background_outcome(r.status, "background_cancelled"))
+        return
+    query = {"stream": "true", "starting_after": "2"}
+    async with session.get(f"{target.url}/v1/responses/{rid}", params=query) as r:
+        data = await r.read()
+    last = [line for line in data.split(b"\n") if line.startswith(b"data:")][-1:]
+    done = r.status == 200 and last and json.loads(last[0][5:])["type"] == "response.completed"
+    target.count(_background_outcome(r.status if done else 0, "background_resumed"))
+
+
+def _background_outcome(status: int, ok: str) -> str:
+    return {200: ok, 404: "background_forgotten"}.get(status, f"background_broken_{status}")
+
+
 async def response_request(
     session: aiohttp.ClientSession, target: Target, rng: random.Random, prompt_len: int, out: int
 ) -> None:
-    """A Responses request, half of them continuing an earlier one (``previous_response_id``; one the
+    """A Responses request (a fifth of them streamed in the background, :func:`background_stream`),
+    half of them continuing an earlier one (``previous_response_id``; one the
     store has forgotten since is a 400 ``previous_response_not_found``), half of them streamed."""
+    if rng.random() < 0.2:
+        await background_stream(session, target, rng, prompt_len, out)
+        return
     body: dict[str, Any] = {"input": "x" * prompt_len, "max_output_tokens": out, "ignore_eos": True}
     if target.response_ids and rng.random() < 0.5:
         body["previous_response_id"] = rng.choice(target.response_ids[-50:])
@@ -298,7 +340,7 @@ def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
         errors = sum(
             v
             for k, v in tg.outcomes.items()
-            if k.startswith(("http_5", "client_error", "bad_got", "stream"))
+            if k.startswith(("http_5", "client_error", "bad_got", "stream", "background_broken"))
         )
         outcomes = ", ".join(f"{k} {v}" for k, v in sorted(tg.outcomes.items()))
         store = max(s["store_kib"] for s in tg.samples)

@@ -5,6 +5,7 @@ continued by ``previous_response_id`` is in test_structured.py, whose server has
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -277,6 +278,24 @@ def test_a_streamed_background_response_outlives_its_client(
     ):
         time.sleep(0.05)
     assert httpx.get(f"{server.url}/load").json()["kv"]["used_blocks"] == 0
+
+
+def test_a_running_background_response_is_kept_whatever_the_bound_until_it_ends() -> None:
+    per = len(json.dumps(_response("resp_a", "x" * 100), separators=(",", ":"))) + 2
+    store = ResponseStore(2 * per)
+    assert store.put(_response("resp_run", "x" * 100), [], running=True)
+    for rid in ("resp_a", "resp_b", "resp_c"):  # finished ones push each other out, not it
+        store.put(_response(rid, "x" * 100), [])
+    assert store.get("resp_run") is not None and store.get("resp_a") is None
+    assert store.describe()["running"] == 1 and store.bytes <= 3 * per
+    # it ends: now it is one of the others, the least recently used first out
+    assert store.put(_response("resp_run", "x" * 100), [])
+    store.put(_response("resp_d", "x" * 100), [])
+    assert store.get("resp_run") is None and store.describe()["running"] == 0
+    # one that ends larger than the whole store is not kept at all, its running entry included
+    store.put(_response("resp_big", "x"), [], running=True)
+    assert not store.put(_response("resp_big", "x" * 10 * per), [])
+    assert store.get("resp_big") is None and store.bytes <= 2 * per
 
 
 def test_an_event_log_is_followed_by_every_reader_and_replayed_from_its_text() -> None:

@@ -515,7 +515,7 @@ class ResponsesRoutes:
         created = int(time.time())
         if background:
             queued = response(rid, created, self.model_name, body, status="queued", stored=True)
-            done(queued)
+            self.store.put(queued, conversation, running=True)
             log = EventLog() if req.stream else None
             events = EventStream(rid, msg_id)
             later = self._run_background(
@@ -556,10 +556,10 @@ class ResponsesRoutes:
         finished (with its events), ``cancelled`` (:meth:`cancel_response`) or ``failed``."""
         latest = queued
 
-        def keep(answer: dict[str, Any]) -> None:
+        def keep(answer: dict[str, Any]) -> None:  # kept as running until the end, below
             nonlocal latest
             latest = answer
-            self.store.put(answer, conversation)
+            self.store.put(answer, conversation, running=True)
 
         def begun() -> None:
             keep({**queued, "status": "in_progress"})

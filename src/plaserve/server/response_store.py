@@ -63,7 +63,9 @@ def _compact(value: Any) -> str:
 
 class ResponseStore:
     """Finished Responses by id, at most ``max_bytes`` of them (0: keep nothing), least recently used
-    forgotten first. Used from the server's event loop only, so it takes no lock."""
+    forgotten first; background Responses still running are kept whatever the bound (their client
+    polls them by id), and join the others when they end. Used from the server's event loop only, so
+    it takes no lock."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -71,6 +73,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.tag = uuid.uuid4().hex[:TAG_CHARS]
         self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self._running: dict[str, Stored] = {}  # background Responses still generating: not evicted
         self.bytes = 0
         self.evicted = 0  # Responses forgotten to stay within max_bytes
 
@@ -87,17 +90,29 @@ class ResponseStore:
         return self.id_prefix + uuid.uuid4().hex
 
     def put(
-        self, response: dict[str, Any], input_items: list[dict[str, Any]], events: str = ""
+        self,
+        response: dict[str, Any],
+        input_items: list[dict[str, Any]],
+        events: str = "",
+        running: bool = False,
     ) -> bool:
-        """Keep ``response`` (by its ``id``) with the items it answered (and its stream's ``events``);
-        False where it alone is larger than the whole store (then nothing is kept)."""
-        entry = Stored(_compact(response), _compact(input_items), events)
-        if not self.enabled or entry.size > self.max_bytes:
+        """Keep ``response`` (by its ``id``, replacing what was kept under it) with the items it
+        answered (and its stream's ``events``); ``running``: a background Response still generating,
+        kept until it is put again finished. False where a finished one alone is larger than the
+        whole store (then nothing is kept under its id)."""
+        if not self.enabled:
             return False
-        self.delete(response["id"])
-        self._entries[response["id"]] = entry
+        rid = response["id"]
+        self.delete(rid)
+        entry = Stored(_compact(response), _compact(input_items), events)
+        if running:
+            self._running[rid] = entry
+        elif entry.size > self.max_bytes:
+            return False
+        else:
+            self._entries[rid] = entry
         self.bytes += entry.size
-        while self.bytes > self.max_bytes:
+        while self.bytes > self.max_bytes and self._entries:
             _, old = self._entries.popitem(last=False)
             self.bytes -= old.size
             self.evicted += 1
@@ -108,11 +123,11 @@ class ResponseStore:
         entry = self._entries.get(rid)
         if entry is not None:
             self._entries.move_to_end(rid)
-        return entry
+        return entry if entry is not None else self._running.get(rid)
 
     def delete(self, rid: str) -> bool:
         """Forget ``rid``; False where it was not kept."""
-        entry = self._entries.pop(rid, None)
+        entry = self._entries.pop(rid, None) or self._running.pop(rid, None)
         if entry is None:
             return False
         self.bytes -= entry.size
@@ -122,7 +137,8 @@ class ResponseStore:
         """What ``/load`` reports: the id prefix (for routers) and the store's size."""
         return {
             "id_prefix": self.id_prefix,
-            "stored": len(self._entries),
+            "stored": len(self._entries) + len(self._running),
+            "running": len(self._running),
             "bytes": self.bytes,
             "max_bytes": self.max_bytes,
             "evicted": self.evicted,
