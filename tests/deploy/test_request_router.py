@@ -216,7 +216,7 @@ def test_a_conversations_turns_go_to_the_replica_that_caches_its_history() -> No
         routed = []
         for turn in range(3):
             job, _ = await ingress.price("/v1/chat/completions", {"messages": messages}, {}, None)
-            assert job["prompt_chars"] > len(doc) and job["prompt_chunks"]
+            assert job["prompt_bytes"] > len(doc) and job["prompt_chunks"]
             req = pending(kwargs=job)
             ranks = await r.choose_replicas(reps, req)
             r.on_request_routed(req, ranks[0][0].replica_id, None)

@@ -16,7 +16,7 @@ from plaserve.router.dispatch import DispatchCore
 from plaserve.router.policies import Job, PlaPolicy
 from plaserve.router.pools import LONG, SHORT
 from plaserve.router.prefixes import (
-    CHUNK_CHARS,
+    CHUNK_BYTES,
     CHUNK_TOKENS,
     PrefixIndex,
     PromptKey,
@@ -38,12 +38,12 @@ def _chat(*turns: str, tools: list | None = None) -> dict:
 def test_a_key_names_the_text_up_to_each_chunk() -> None:
     a = PromptKey.of(DOC + "first question " * 20)
     b = PromptKey.of(DOC + "second question " * 20)
-    shared = len(DOC) // CHUNK_CHARS
+    shared = len(DOC) // CHUNK_BYTES
     assert a.chunks[:shared] == b.chunks[:shared] and a.chunks[shared] != b.chunks[shared]
-    assert len(PromptKey.of("x" * (CHUNK_CHARS - 1)).chunks) == 0  # no whole chunk: nothing shared
+    assert len(PromptKey.of("x" * (CHUNK_BYTES - 1)).chunks) == 0  # no whole chunk: nothing shared
     # a chunk's hash depends on all the text before it, not on its own text alone
     assert (
-        PromptKey.of("a" * 2 * CHUNK_CHARS).chunks[1] != PromptKey.of("a" * CHUNK_CHARS).chunks[0]
+        PromptKey.of("a" * 2 * CHUNK_BYTES).chunks[1] != PromptKey.of("a" * CHUNK_BYTES).chunks[0]
     )
 
 
@@ -71,11 +71,11 @@ def test_a_conversation_grows_by_its_key_and_tools_and_roles_change_it() -> None
 
 def test_the_index_keeps_the_shared_head_longest_and_estimates_cached_tokens() -> None:
     index = PrefixIndex(int(10 * CHUNK_TOKENS))  # ten chunks
-    head = "h" * 4 * CHUNK_CHARS
-    first = PromptKey.of(head + "a" * 6 * CHUNK_CHARS)
+    head = "h" * 4 * CHUNK_BYTES
+    first = PromptKey.of(head + "a" * 6 * CHUNK_BYTES)
     index.add(first)
     assert index.matched_chunks(first) == 10 and len(index) == 10
-    second = PromptKey.of(head + "b" * 6 * CHUNK_CHARS)
+    second = PromptKey.of(head + "b" * 6 * CHUNK_BYTES)
     index.add(second)  # the first's tail goes, the head (used again) stays
     assert index.matched_chunks(second) == 10 and index.matched_chunks(first) == 4
     # cached tokens: the matched share of the prompt's tokens, never the last token

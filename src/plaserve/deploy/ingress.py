@@ -206,7 +206,7 @@ class OpenAIIngress:
         job = {"tokens": list(est.tokens), "length_class": cls, "job_id": uuid.uuid4().hex}
         prompt = prompt_key(path, body)
         if prompt is not None:  # the request router prices it after each replica's cached part
-            job |= {"prompt_chunks": list(prompt.chunks), "prompt_chars": prompt.chars}
+            job |= {"prompt_chunks": list(prompt.chunks), "prompt_bytes": prompt.size}
         check = HintCheck(hint, self.metrics.pricing.error.observe) if hint is not None else None
         return job, check
 

@@ -187,9 +187,9 @@ class PlaRequestRouter(RequestRouter):
         tokens = kwargs.get("tokens") or (1,)
         tokens = tuple(int(t) for t in tokens)
         arrival = time.monotonic() - (time.time() - pending.created_at) if pending else 0.0
-        chunks, chars = kwargs.get("prompt_chunks"), kwargs.get("prompt_chars")
-        if self.config.prefix_aware and isinstance(chunks, list) and isinstance(chars, int):
-            prompt = PromptKey(tuple(chunks), chars)
+        chunks, size = kwargs.get("prompt_chunks"), kwargs.get("prompt_bytes")
+        if self.config.prefix_aware and isinstance(chunks, list) and isinstance(size, int):
+            prompt = PromptKey(tuple(chunks), size)
             return Job.of(tokens, prompt, arrival, self._threshold(replicas), workers)
         cls = kwargs.get("length_class")
         if cls not in (SHORT, LONG):

@@ -9,13 +9,13 @@ worker that holds the prefix is cheaper by what it holds, and the policy weighs 
 backlog like any other cost.
 
 The router sees every prompt it sends. It cuts the prompt's text (:func:`prompt_text`, UTF-8) into
-:data:`CHUNK_CHARS`-byte chunks and hashes all the text up to each chunk's end (:class:`PromptKey`; a
-hash that is the same in every process, so that routers and Ray's replicas agree); per worker it remembers the chunks it sent
-there, least recently used forgotten first, as many as the worker's KV cache holds (its ``/load``
-reports the blocks; a worker that does not say is taken to hold ``prefix_cache_tokens``). A
-request's cached part on a worker is the run of its leading chunks remembered there. It is an
-estimate: the router does not read the caches, which may have evicted what it remembers or hold
-what other clients sent.
+:data:`CHUNK_BYTES`-byte chunks and hashes all the text up to each chunk's end (:class:`PromptKey`;
+a hash that is the same in every process, so that the Ray ingress's keys mean the same in the
+request router); per worker it remembers the chunks it sent there, least recently used forgotten
+first, as many as the worker's KV cache holds (its ``/load`` reports the blocks; a worker that does
+not say is taken to hold ``prefix_cache_tokens``). A request's cached part on a worker is the run of
+its leading chunks remembered there. It is an estimate: the router does not read the caches, which
+may have evicted what it remembers or hold what other clients sent.
 """
 
 from __future__ import annotations
@@ -34,26 +34,24 @@ from plaserve.router.length import (
     message_text,
 )
 
-# Bytes of a chunk: about 32 tokens of English text, finer than a turn and cheap to hash (0.55 ms
-# for 100,000 characters).
-CHUNK_CHARS = 128
-CHUNK_TOKENS = CHUNK_CHARS / CHARS_PER_TOKEN  # what a remembered chunk takes of a worker's cache
+# Bytes of a chunk: about 32 tokens of English text, finer than a turn, few enough to hash per request
+CHUNK_BYTES = 128
+CHUNK_TOKENS = CHUNK_BYTES / CHARS_PER_TOKEN  # what a remembered chunk takes of a worker's cache
 
 
 @dataclass(frozen=True)
 class PromptKey:
-    """A prompt's text as the hashes of its text up to the end of each whole chunk, and the text's
-    length (bytes)."""
+    """A prompt's text as the hashes of its text up to the end of each whole chunk, and its size."""
 
     chunks: tuple[int, ...]
-    chars: int
+    size: int  # bytes
 
     @classmethod
     def of(cls, text: str) -> "PromptKey":
         data = text.encode()
         running, chunks = hashlib.blake2b(digest_size=8), []
-        for end in range(CHUNK_CHARS, len(data) + 1, CHUNK_CHARS):
-            running.update(data[end - CHUNK_CHARS : end])
+        for end in range(CHUNK_BYTES, len(data) + 1, CHUNK_BYTES):
+            running.update(data[end - CHUNK_BYTES : end])
             chunks.append(int.from_bytes(running.copy().digest(), "little"))
         return cls(tuple(chunks), len(data))
 
@@ -131,10 +129,10 @@ class PrefixIndex:
     def cached_tokens(self, key: PromptKey | None, tokens: int) -> int:
         """Of a ``tokens``-token prompt with ``key``, the tokens likely cached here (at most all but
         one: the last is always computed, for its logits)."""
-        if key is None or not key.chars:
+        if key is None or not key.size:
             return 0
-        matched = self.matched_chunks(key) * CHUNK_CHARS
-        return max(0, min(tokens - 1, round(tokens * matched / key.chars)))
+        matched = self.matched_chunks(key) * CHUNK_BYTES
+        return max(0, min(tokens - 1, round(tokens * matched / key.size)))
 
     def add(self, key: PromptKey | None) -> None:
         """Remember ``key``'s chunks, its first the most recently used: a shared head (a system
