@@ -172,3 +172,12 @@ def test_every_turn_of_a_conversation_finds_its_history_cached(two_workers_and_r
     state = httpx.get(f"{router.url}/workers").json()["workers"]
     assert [w["requests_total"] for w in state] == [4, 4]  # a conversation on each
     assert all(w["cached_tokens_total"] > 0 and w["prefix_index"]["chunks"] for w in state)
+    metrics = httpx.get(f"{router.url}/metrics").text
+    for w in state:
+        label = f'{{worker="{w["url"]}"}}'
+        assert (
+            f"plaserve_router_worker_cached_tokens{label} {float(w['cached_tokens_total'])}"
+            in metrics
+        )
+        chunks = float(w["prefix_index"]["chunks"])
+        assert f"plaserve_router_worker_prefix_chunks{label} {chunks}" in metrics

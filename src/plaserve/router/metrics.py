@@ -93,6 +93,18 @@ class RouterMetrics:
         self.healthy = Gauge(
             "plaserve_router_worker_healthy", "1 in rotation, 0 out", ["worker"], registry=r
         )
+        self.cached_tokens = Gauge(
+            "plaserve_router_worker_cached_tokens",
+            "prompt tokens priced as cached in the worker's prefix cache, every request so far",
+            ["worker"],
+            registry=r,
+        )
+        self.prefix_chunks = Gauge(
+            "plaserve_router_worker_prefix_chunks",
+            "prompt chunks remembered as in the worker's prefix cache (router/prefixes.py)",
+            ["worker"],
+            registry=r,
+        )
         self.short_pool = Gauge(
             "plaserve_router_short_pool_size", "workers in the short pool (pla)", registry=r
         )
@@ -126,6 +138,8 @@ class RouterMetrics:
             self.backlog.labels(w.url).set(w.backlog(now, load_stale_s))
             self.inflight.labels(w.url).set(w.num_inflight)
             self.healthy.labels(w.url).set(1 if w.available(now) else 0)
+            self.cached_tokens.labels(w.url).set(w.cached_tokens_total)
+            self.prefix_chunks.labels(w.url).set(len(w.prefixes))
         pools = policy.describe(now).get("pools")
         if pools:
             self.short_pool.set(pools["short_size"])
@@ -136,7 +150,13 @@ class RouterMetrics:
 
     def forget_worker(self, url: str) -> None:
         """Drop a removed worker's labelled series (its attempt counts stay: they are history)."""
-        for gauge in (self.backlog, self.inflight, self.healthy):
+        for gauge in (
+            self.backlog,
+            self.inflight,
+            self.healthy,
+            self.cached_tokens,
+            self.prefix_chunks,
+        ):
             try:
                 gauge.remove(url)
             except KeyError:

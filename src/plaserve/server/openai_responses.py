@@ -14,9 +14,9 @@ Finished Responses are kept (unless ``store: false``) by :mod:`plaserve.server.r
 (its input and output items, not its ``instructions``, as OpenAI's does). ``background: true``
 answers at once with the Response ``queued``; it is generated meanwhile, kept ``in_progress`` and
 then finished (``GET`` polls it, ``POST /v1/responses/{id}/cancel`` stops it); with ``stream: true``
-its events stream as they come and are kept, so that ``GET /v1/responses/{id}?stream=true
-&starting_after=N`` resumes the stream (the generation goes on when its client goes). ``conversation`` is
-not offered; built-in tools (web search, files, computer use, MCP), reasoning
+its events stream as they come and are kept, so that ``GET /v1/responses/{id}?stream=true&
+starting_after=N`` resumes the stream (the generation goes on when its client goes). ``conversation``
+is not offered; built-in tools (web search, files, computer use, MCP), reasoning
 items and non-text inputs are a 400 naming the field.
 """
 
@@ -590,14 +590,20 @@ class ResponsesRoutes:
         """``POST /v1/responses/{id}/cancel``: stop a background Response; one already finished is
         returned as it is."""
         rid, entry = self._kept(request)
-        running = self._background.get(rid)
-        if running is None and not entry.response.get("background"):
+        if not await self._stop(rid) and not entry.response.get("background"):
             raise ApiError(400, "Only background responses can be cancelled.", param="response_id")
-        if running is not None:
-            running.task.cancel()
-            await asyncio.wait([running.task])
         kept = self.store.get(rid)
         return JSONResponse(kept.response if kept is not None else entry.response)
+
+    async def _stop(self, rid: str) -> bool:
+        """Stop the background Response ``rid`` if it is running (it keeps itself ``cancelled``);
+        whether it was."""
+        running = self._background.get(rid)
+        if running is None:
+            return False
+        running.task.cancel()
+        await asyncio.wait([running.task])
+        return True
 
     def _conversation(self, body: dict[str, Any]) -> Any:
         """The request's input items after the conversation of the Response it continues
@@ -655,10 +661,7 @@ class ResponsesRoutes:
 
     async def delete_response(self, request: Request) -> Response:
         rid, _ = self._kept(request)
-        running = self._background.get(rid)
-        if running is not None:  # stopped first: it would keep itself again when it ends
-            running.task.cancel()
-            await asyncio.wait([running.task])
+        await self._stop(rid)  # first: it would keep itself again when it ends
         self.store.delete(rid)
         return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
