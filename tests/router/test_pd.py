@@ -417,6 +417,15 @@ def test_router_pd_equals_colocated_with_the_openai_client(
     assert follow.output_text == whole.output_text
     assert follow.usage.input_tokens == whole.usage.input_tokens
     assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    # a streamed background Response runs whole on a decode worker; its stream resumes there
+    with client.responses.create(
+        **kw, max_output_tokens=8, temperature=0, background=True, stream=True
+    ) as stream:
+        first = [e for _, e in zip(range(3), stream)]
+    rest = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=2))
+    assert (
+        rest[-1].type == "response.completed" and rest[-1].response.output_text == ref.output_text
+    )
     # Logprobs do not travel through PD: the router runs such a request whole on a decode worker.
     with_logprobs = client.completions.create(
         model="qwen20", prompt="Hello", max_tokens=3, temperature=0, logprobs=1
