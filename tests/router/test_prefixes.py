@@ -4,6 +4,7 @@ decisions it changes; then on live servers, a conversation whose every turn find
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from plaserve.router.prefixes import (
     CHUNK_TOKENS,
     PrefixIndex,
     PromptKey,
+    cache_hit_tokens,
     cache_tokens,
     prompt_key,
     prompt_text,
@@ -91,6 +93,8 @@ def test_a_workers_cache_size_is_read_from_its_load() -> None:
     assert cache_tokens({"kv": kv}) == 1600
     assert cache_tokens({"kv": kv | {"prefix_caching": False}}) == 0
     assert cache_tokens({"kv": {"used_blocks": 1}}) is None and cache_tokens({}) is None
+    assert cache_hit_tokens({"kv": kv | {"cache_hit_tokens": 480}}) == 480
+    assert cache_hit_tokens({"kv": kv}) is None and cache_hit_tokens({"kv": 3}) is None
 
 
 QUADRATIC = CostModel(g1=1e-4, g2=1e-7, c0=1e-3)
@@ -172,6 +176,12 @@ def test_every_turn_of_a_conversation_finds_its_history_cached(two_workers_and_r
     state = httpx.get(f"{router.url}/workers").json()["workers"]
     assert [w["requests_total"] for w in state] == [4, 4]  # a conversation on each
     assert all(w["cached_tokens_total"] > 0 and w["prefix_index"]["chunks"] for w in state)
+    # what the router priced as cached, against what each worker says it served from its cache
+    # (all their traffic came through the router): close, as a share of bytes is of tokens
+    time.sleep(0.6)  # a /load poll or two after the last answer
+    state = httpx.get(f"{router.url}/workers").json()["workers"]
+    for w in state:
+        assert 0.8 < w["cached_tokens_total"] / w["cache_hit_tokens"] < 1.25, state
     metrics = httpx.get(f"{router.url}/metrics").text
     for w in state:
         label = f'{{worker="{w["url"]}"}}'
@@ -181,3 +191,5 @@ def test_every_turn_of_a_conversation_finds_its_history_cached(two_workers_and_r
         )
         chunks = float(w["prefix_index"]["chunks"])
         assert f"plaserve_router_worker_prefix_chunks{label} {chunks}" in metrics
+        hits = float(w["cache_hit_tokens"])
+        assert f"plaserve_router_worker_cache_hit_tokens{label} {hits}" in metrics

@@ -472,6 +472,7 @@ class LLMEngine:
                 "utilization": kv.num_used_blocks / kv.num_blocks,
                 "block_size": kv.block_size,
                 "prefix_caching": kv.enable_prefix_caching,
+                "cache_hit_tokens": kv.num_cache_hits,  # prompt tokens served from it, ever
             },
             "cost_model": self.cost.as_dict(),
             "step_time_over_predicted": self.step_time.ratio,

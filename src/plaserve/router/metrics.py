@@ -99,6 +99,12 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.cache_hits = Gauge(
+            "plaserve_router_worker_cache_hit_tokens",
+            "prompt tokens the worker served from its prefix cache, ever (its /load; plaserve)",
+            ["worker"],
+            registry=r,
+        )
         self.prefix_chunks = Gauge(
             "plaserve_router_worker_prefix_chunks",
             "prompt chunks remembered as in the worker's prefix cache (router/prefixes.py)",
@@ -139,6 +145,8 @@ class RouterMetrics:
             self.inflight.labels(w.url).set(w.num_inflight)
             self.healthy.labels(w.url).set(1 if w.available(now) else 0)
             self.cached_tokens.labels(w.url).set(w.cached_tokens_total)
+            if w.cache_hit_tokens is not None:
+                self.cache_hits.labels(w.url).set(w.cache_hit_tokens)
             self.prefix_chunks.labels(w.url).set(len(w.prefixes))
         pools = policy.describe(now).get("pools")
         if pools:
@@ -155,6 +163,7 @@ class RouterMetrics:
             self.inflight,
             self.healthy,
             self.cached_tokens,
+            self.cache_hits,
             self.prefix_chunks,
         ):
             try:

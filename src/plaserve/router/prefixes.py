@@ -145,6 +145,14 @@ class PrefixIndex:
         self._evict()
 
 
+def cache_hit_tokens(load: dict[str, Any]) -> int | None:
+    """The prompt tokens a worker served from its prefix cache, ever, by its ``/load`` (to set
+    against those the router priced as cached there), or None where the report does not say."""
+    kv = load.get("kv")
+    hits = kv.get("cache_hit_tokens") if isinstance(kv, dict) else None
+    return hits if isinstance(hits, int) and not isinstance(hits, bool) else None
+
+
 def cache_tokens(load: dict[str, Any]) -> int | None:
     """The tokens a worker's prefix cache can hold by its ``/load`` (its KV blocks; 0 where prefix
     caching is off), or None where the report does not say."""

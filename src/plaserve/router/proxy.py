@@ -57,7 +57,7 @@ from plaserve.router.length import Estimate, LengthEstimator
 from plaserve.router.metrics import RouterMetrics
 from plaserve.router.pd import DecodeTier, generate_pd
 from plaserve.router.policies import Job, make_policy
-from plaserve.router.prefixes import cache_tokens, prompt_key
+from plaserve.router.prefixes import cache_hit_tokens, cache_tokens, prompt_key
 from plaserve.router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -218,6 +218,7 @@ class Router:
         cache = cache_tokens(load)
         if cache is not None:
             worker.prefixes.resize(cache)
+        worker.cache_hit_tokens = cache_hit_tokens(load)
         threshold = load.get("short_threshold")
         if self.threshold_source == "default" and isinstance(threshold, int) and threshold > 0:
             self.short_threshold, self.threshold_source = threshold, f"worker {worker.url}"

@@ -89,6 +89,8 @@ class Worker:
         # the prompts sent here, as far as its prefix cache holds them (its /load resizes it)
         self.prefixes = PrefixIndex(prefix_cache_tokens)
         self.cached_tokens_total = 0  # prompt tokens priced as cached here, every request so far
+        # ...and what the worker says it served from its cache, ever (its /load; None: it does not)
+        self.cache_hit_tokens: int | None = None
         self.health_path = (
             "/health"  # becomes /v1/models for servers with only the OpenAI endpoints
         )
@@ -215,4 +217,5 @@ class Worker:
             "cost_model": self.cost_model.as_dict(),
             "prefix_index": {"chunks": len(self.prefixes), "capacity": self.prefixes.capacity},
             "cached_tokens_total": self.cached_tokens_total,
+            "cache_hit_tokens": self.cache_hit_tokens,
         }
