@@ -4,11 +4,11 @@ Setup, all on loopback, one run alone on the machine:
 
 * **workers**: two ``plaserve serve`` of ``engine_vs_vllm.py``'s small checkpoint (random weights,
   bfloat16, built if missing), one thread each (``OMP_NUM_THREADS=1``), prefix caching on (the
-  default), the tests' Qwen2.5 chat template; fresh ones for every replay, so that each starts with
-  empty caches. With ``--backend vllm``: two vLLM 0.32 servers (``engine_vs_vllm.py``'s venv), one
-  CPU each, prefix caching on (vLLM's default), started once and their caches emptied before each
-  replay (``/reset_prefix_cache``, with ``VLLM_SERVER_DEV_MODE=1``); the router then knows nothing
-  of their caches' sizes and takes them to hold ``--prefix-cache-tokens`` (its default).
+  default), the tests' Qwen2.5 chat template. With ``--backend vllm``: two vLLM 0.32 servers
+  (``engine_vs_vllm.py``'s venv), one CPU each, prefix caching on (vLLM's default; its
+  ``/reset_prefix_cache`` needs ``VLLM_SERVER_DEV_MODE=1``); the router then knows nothing of their
+  caches' sizes and takes them to hold ``--prefix-cache-tokens`` (its default). Either pair starts
+  once, and their caches are emptied before each replay (``POST /reset_prefix_cache``).
 * **router**: ``plaserve route`` in front of them, one run per configuration: ``pla`` (prefix-aware,
   the default), ``pla --no-prefix-aware`` (each request priced by its whole prompt, as before), and
   ``round_robin``.
@@ -36,7 +36,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -150,33 +150,40 @@ class PinnedVllm(VllmProcess):
         }
 
 
-def plaserve_workers(model: Path) -> Callable[[], contextlib.AbstractContextManager[list[str]]]:
-    """Two fresh plaserve workers for each replay."""
-    args = [
-        str(model),
-        *("--dtype", "bfloat16", "--chat-template", str(TEMPLATE), "--max-model-len", "4096"),
-        *("--kv-cache-memory", "1GiB", "--served-model-name", "m"),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    @contextlib.contextmanager
-    def fresh() -> Iterator[list[str]]:
-        with ServerProcess(args, env=env) as a, ServerProcess(args, env=env) as b:
+@contextlib.contextmanager
+def workers(args: argparse.Namespace, model: Path) -> Iterator[list[str]]:
+    """The two workers' URLs, for the whole run."""
+    if args.backend == "plaserve":
+        flags = [
+            str(model),
+            *("--dtype", "bfloat16", "--chat-template", str(TEMPLATE), "--max-model-len", "4096"),
+            *("--kv-cache-memory", "1GiB", "--served-model-name", "m"),
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with ServerProcess(flags, env=env) as a, ServerProcess(flags, env=env) as b:
             yield [a.url, b.url]
-
-    return fresh
+        return
+    python = ensure_vllm_venv(args.vllm_venv, None)
+    flags = [
+        *("--dtype", "bfloat16", "--chat-template", str(TEMPLATE), "--max-model-len", "4096"),
+        *("--served-model-name", "m", "--enable-prompt-tokens-details"),
+    ]
+    with PinnedVllm(python, model, flags, 0) as a, PinnedVllm(python, model, flags, 1) as b:
+        yield [a.url, b.url]
 
 
 def run_configs(
-    args: argparse.Namespace,
-    plan: list[dict],
-    workers: Callable[[], contextlib.AbstractContextManager[list[str]]],
+    args: argparse.Namespace, plan: list[dict], urls: list[str]
 ) -> dict[str, list[dict]]:
-    """Every configuration's replays, ``--rounds`` of them alternating."""
+    """Every configuration's replays, ``--rounds`` of them alternating, each from empty caches."""
     results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
     for round_ in range(args.rounds):
         for name, flags in CONFIGS.items():
-            with workers() as urls, RouterProcess(urls, flags) as router:
+            for url in urls:
+                reset = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+                if not reset.json().get("success"):
+                    raise RuntimeError(f"{url} did not empty its prefix cache: {reset.text}")
+            with RouterProcess(urls, flags) as router:
                 turns, wall = asyncio.run(replay(router.url, plan, args.max_tokens))
                 state = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
             row = summary(turns, wall, [w["requests_total"] for w in state])
@@ -213,26 +220,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_checkpoint(MODELS["small"], args.checkpoints / "small", reuse=True)
     plan = sessions(args, MODELS["small"].vocab)
-    if args.backend == "plaserve":
-        results = run_configs(args, plan, plaserve_workers(model))
-    else:
-        python = ensure_vllm_venv(args.vllm_venv, None)
-        vllm_args = [
-            *("--dtype", "bfloat16", "--chat-template", str(TEMPLATE), "--max-model-len", "4096"),
-            *("--served-model-name", "m", "--enable-prompt-tokens-details"),
-        ]
-        with (
-            PinnedVllm(python, model, vllm_args, 0) as a,
-            PinnedVllm(python, model, vllm_args, 1) as b,
-        ):
-
-            @contextlib.contextmanager
-            def emptied() -> Iterator[list[str]]:
-                for w in (a, b):
-                    httpx.post(f"{w.url}/reset_prefix_cache", timeout=30).raise_for_status()
-                yield [a.url, b.url]
-
-            results = run_configs(args, plan, emptied)
+    with workers(args, model) as urls:
+        results = run_configs(args, plan, urls)
     print(
         f"\n{args.sessions} conversations x {args.turns} turns, documents of {args.doc_tokens} "
         f"tokens, {args.question_tokens}-token questions, {args.max_tokens}-token answers; "

@@ -68,6 +68,16 @@ class BlockAllocator:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``/reset_prefix_cache``); only while no block is in use,
+        since a running request's blocks keep their keys as it goes: False then, nothing changed."""
+        if self.num_used_blocks:
+            return False
+        self.cached.clear()
+        for block in self.blocks:
+            block.key, block.tokens = None, ()
+        return True
+
     def can_allocate(self, n: int) -> bool:
         return n <= len(self.free)
 

@@ -74,6 +74,17 @@ def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone, poli
     ext = run(engine, [p300 + [7, 8, 9]])[0]
     assert ext.metrics.num_cached_tokens == 288
     assert engine.allocator.num_used_blocks == 0
+    # reset: nothing cached any more, the same tokens again; refused while a request holds blocks
+    busy = engine.add_request(p600, SamplingParams(max_tokens=5, ignore_eos=True))
+    while not busy.block_table:  # pla may first hold a short in its batch window
+        engine.step()
+        engine.wait_for_work()
+    assert not engine.reset_prefix_cache()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.reset_prefix_cache()
+    cold = run(engine, [p600])[0]
+    assert cold.metrics.num_cached_tokens == 0 and cold.output_token_ids == first.output_token_ids
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "pla"])

@@ -61,6 +61,23 @@ def test_prefix_match_only_after_commit_and_survives_free():
     assert other == table[:1]
 
 
+def test_a_prefix_cache_reset_forgets_every_prefix_but_only_while_no_block_is_used():
+    alloc = BlockAllocator(16, 4)
+    tokens = list(range(8))
+    table = alloc.allocate(2)
+    alloc.commit(table, tokens, num_computed=8, num_committed=0)
+    assert not alloc.reset_prefix_cache()  # a request holds its blocks: nothing changes
+    alloc.release(table)
+    assert alloc.peek_prefix(tokens + [99]) == 8
+    assert alloc.reset_prefix_cache()
+    assert alloc.peek_prefix(tokens + [99]) == 0 and alloc.num_free_blocks == 15
+    # blocks filled after the reset are cached again
+    table = alloc.allocate(2)
+    alloc.commit(table, tokens, num_computed=8, num_committed=0)
+    alloc.release(table)
+    assert alloc.peek_prefix(tokens + [99]) == 8
+
+
 def test_eviction_reuses_oldest_free_first():
     alloc = BlockAllocator(5, 2)  # 4 usable
     t1, t2 = alloc.allocate(2), alloc.allocate(2)

@@ -135,6 +135,24 @@ def test_the_engine_process_dies_with_the_server(qwen2_ckpt: str) -> None:
         assert all(gone(pid) for pid in kids)
 
 
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_prefix_cache_is_reset_on_request(qwen2_ckpt: str, mode: str) -> None:
+    """``POST /reset_prefix_cache`` (vLLM's): a prompt sent again finds nothing cached after it (the
+    refusal while a request holds blocks is tested on the engine, where it is not a race)."""
+    prompt = list(range(5, 69))  # four 16-token blocks
+    with ServerProcess([qwen2_ckpt, *BASE_ARGS, "--engine-mode", mode]) as server:
+
+        def cached() -> int:
+            body = {"prompt": prompt, "max_tokens": 1}
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+            return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached() == 0 and cached() == 48
+        reset = httpx.post(f"{server.url}/reset_prefix_cache", timeout=30)
+        assert reset.status_code == 200 and reset.json() == {"success": True}
+        assert cached() == 0 and cached() == 48
+
+
 def test_engine_thread_serves_without_a_child(qwen2_ckpt: str) -> None:
     with ServerProcess([qwen2_ckpt, *BASE_ARGS, "--engine-mode", "thread"]) as server:
         assert server.proc is not None

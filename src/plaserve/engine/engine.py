@@ -445,6 +445,10 @@ class LLMEngine:
             **getattr(self.runner, "stats", {}),
         }
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while a request holds KV blocks."""
+        return self.allocator.reset_prefix_cache()
+
     def load_report(self) -> dict:
         """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
         queued and running counts, KV usage, the cost coefficients in use and the model's dtype."""

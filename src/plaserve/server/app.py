@@ -581,6 +581,15 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": plaserve.__version__})
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Forget every cached prefix, as vLLM's ``POST /reset_prefix_cache`` does (benchmarks start
+        from a cold cache): ``{"success": false}`` while a request holds KV blocks."""
+        try:
+            success = await self.loop.reset_prefix_cache()
+        except EngineStoppedError:
+            raise ApiError(503, "the engine is not running") from None
+        return JSONResponse({"success": success})
+
     # --- health and load -----------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         if not self.loop.alive:
@@ -719,6 +728,7 @@ def build_app(
         Route("/tokenize", h.tokenize, methods=["POST"]),
         Route("/detokenize", h.detokenize, methods=["POST"]),
         Route("/version", h.version, methods=["GET"]),
+        Route("/reset_prefix_cache", h.reset_prefix_cache, methods=["POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/metrics", h.metrics, methods=["GET"]),
         Route("/load", h.load, methods=["GET"]),

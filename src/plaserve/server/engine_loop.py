@@ -228,6 +228,8 @@ class EngineHandle(Protocol):
 
     async def render_metrics(self) -> bytes: ...
 
+    async def reset_prefix_cache(self) -> bool: ...
+
     def start(self) -> None: ...
 
     def stop(self, timeout: float = 30.0) -> None: ...
@@ -410,12 +412,22 @@ class EngineLoop:
             except RuntimeError:  # the event loop is closed: nobody is waiting
                 pass
 
+        self.post(fn, settle)
+        return await future
+
+    def post(self, fn: Callable[["EngineLoop"], Any], settle: Callable[[bool, Any], None]) -> None:
+        """Queue ``fn(self)`` for the engine thread between steps; ``settle(ok, result or error)``
+        gets its outcome there (:meth:`call` for a coroutine to await). EngineStoppedError when the
+        loop is not running."""
         with self._cond:
             if not self.alive:
                 raise EngineStoppedError("the engine is not running")
             self._inbox.append(_Call(fn, settle))
             self._cond.notify()
-        return await future
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while a request holds KV blocks."""
+        return await self.call(lambda loop: loop.engine.reset_prefix_cache())
 
     def count_error(self, status: int) -> None:
         """Count an HTTP error answer in the metrics (any thread)."""

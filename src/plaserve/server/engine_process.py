@@ -10,12 +10,14 @@ so no OpenMP or torch state is inherited) and offers the HTTP handlers the same
 One pipe carries pickled messages both ways:
 
 * server -> engine: ``("submit", [(request_id, prompt_token_ids, params, arrival_time, after)])``,
-  ``("abort", request_id)``, ``("metrics", n)``, ``("count_error", status)``, ``("stop",)``;
+  ``("abort", request_id)``, ``("metrics", n)``, ``("reset_prefix_cache", n)``, ``("count_error",
+  status)``, ``("stop",)``;
 * engine -> server: ``("ready", facts, snapshot)`` or ``("failed", error)`` once built; then
   ``("out", [(request_id, output or error)])`` once a step (every output of the step in one message;
   an output comes without its prompt's token ids, which the server has: see :class:`_PipeOutbox`),
   ``("state", snapshot, num_waiting, num_taken, alive)`` when one of them changed, ``("refused",
-  count)`` for submissions it could not take, ``("metrics", n, exposition)``.
+  count)`` for submissions it could not take, ``("reply", n, value)`` for question ``n`` (the metrics'
+  exposition, whether the prefix cache was reset).
 
 The child's loop keeps its supervision (a failed step fails the requests in flight and resets the
 engine) and its metrics (``/metrics`` asks the child for them). The bound on queued requests is kept
@@ -111,8 +113,9 @@ class EngineProcess:
         self._ended = False
         # Each request's sink, and its prompt's token ids for the outputs, which come without them.
         self._sinks: dict[str, tuple[OutputSink, list[int]]] = {}
-        self._metrics_ids = itertools.count()
-        self._metrics_waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._question_ids = itertools.count()
+        # questions to the child (metrics, a prefix-cache reset) waiting for its reply, by number
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._reader = threading.Thread(target=self._read, name="plaserve-engine-pipe", daemon=True)
         self._reader.start()
 
@@ -160,13 +163,21 @@ class EngineProcess:
 
     async def render_metrics(self) -> bytes:
         """The child's metrics exposition; EngineStoppedError when the child is gone."""
+        return await self._ask("metrics")
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while a request holds KV blocks."""
+        return await self._ask("reset_prefix_cache")
+
+    async def _ask(self, kind: str) -> Any:
+        """Question ``kind`` to the child, and its reply; EngineStoppedError when the child is gone."""
         aloop = asyncio.get_running_loop()
         future = aloop.create_future()
         with self._lock:
-            n = next(self._metrics_ids)
-            self._metrics_waiting[n] = (aloop, future)
-            if self._ended or not self._send(("metrics", n)):
-                del self._metrics_waiting[n]
+            n = next(self._question_ids)
+            self._waiting[n] = (aloop, future)
+            if self._ended or not self._send((kind, n)):
+                del self._waiting[n]
                 raise EngineStoppedError("the engine process is gone")
         return await future
 
@@ -211,9 +222,9 @@ class EngineProcess:
             elif kind == "refused":
                 with self._lock:
                     self._num_refused += msg[1]
-            elif kind == "metrics":
+            elif kind == "reply":
                 with self._lock:
-                    waiting = self._metrics_waiting.pop(msg[1], None)
+                    waiting = self._waiting.pop(msg[1], None)
                 if waiting is not None:
                     _settle(*waiting, msg[2])
         self._ended_now()
@@ -238,7 +249,7 @@ class EngineProcess:
         with self._lock:
             self._ended = True
             sinks, self._sinks = [sink for sink, _ in self._sinks.values()], {}
-            waiting, self._metrics_waiting = list(self._metrics_waiting.values()), {}
+            waiting, self._waiting = list(self._waiting.values()), {}
             stopping = self._stopping
         code = self._proc.exitcode
         error = EngineStoppedError(
@@ -341,6 +352,18 @@ def _engine_main(
     loop.run_here()
 
 
+def _reset_prefix_cache(loop: EngineLoop, outbox: _PipeOutbox, n: int) -> None:
+    """Question ``n``: reset the prefix cache on the engine thread, and reply whether it was."""
+
+    def settle(ok: bool, value: Any) -> None:
+        outbox.message(("reply", n, ok and bool(value)))
+
+    try:
+        loop.post(lambda lp: lp.engine.reset_prefix_cache(), settle)
+    except EngineStoppedError:
+        settle(False, None)
+
+
 def _take_commands(conn: Connection, loop: EngineLoop, outbox: _PipeOutbox) -> None:
     while True:
         try:
@@ -362,7 +385,9 @@ def _take_commands(conn: Connection, loop: EngineLoop, outbox: _PipeOutbox) -> N
         elif kind == "abort":
             loop.abort(msg[1])
         elif kind == "metrics":
-            outbox.message(("metrics", msg[1], loop.metrics.render()))
+            outbox.message(("reply", msg[1], loop.metrics.render()))
+        elif kind == "reset_prefix_cache":
+            _reset_prefix_cache(loop, outbox, msg[1])
         elif kind == "count_error":
             loop.count_error(msg[1])
         elif kind == "stop":
