@@ -5,6 +5,7 @@ Parameter names match Hugging Face's so checkpoints load by name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -63,11 +64,19 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (half-split layout) with a precomputed cos/sin table."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device | str | None = None,
     ) -> None:
+        """The table is computed on ``device`` (default: torch's current default device)."""
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

@@ -16,7 +16,11 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Left uninitialised (the loader fills it): nn.Embedding's own normal_ init on the meta device,
+        # where the loader builds the model, would import torch._dynamo, as rope's arithmetic would.
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -32,8 +36,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # Computed on the CPU even where the loader builds the model on the meta device (it rebuilds the
+        # table on the model's device): arithmetic on meta tensors imports torch._dynamo, a second of
+        # every server's start-up.
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, "cpu"
         )
         self.head: Projection | None = None
         self.kernels = FusedKernels()  # eager until compile_kernels()

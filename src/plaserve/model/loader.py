@@ -69,8 +69,8 @@ def _with_float32_rope(model: LlamaForCausalLM, device: torch.device) -> LlamaFo
     half precision, and ``to_empty`` leaves it uninitialised."""
     cfg = model.config
     model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
+    )
     return model
 
 
@@ -115,7 +115,15 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     # Materialise empty on the target device, then copy the checkpoint in: no random init, no CPU copy.
-    model = _with_float32_rope(model.to_empty(device=device).to(dtype), device)
+    # torch.empty rather than Module.to_empty: empty_like of a meta tensor runs through torch's Python
+    # references, which import sympy (a third of a second), and to_empty(...).to(dtype) would allocate
+    # every weight twice.
+    model = model._apply(
+        lambda t: torch.empty(
+            t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device
+        )
+    )
+    model = _with_float32_rope(model, device)
     load_into(model, load_safetensors_state_dict(path, dtype), cfg.tie_word_embeddings)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -69,8 +69,6 @@ def _compiler() -> str | None:
 def _build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """The shared library of ``source``, compiled unless a build of this source, these flags and this
     torch exists."""
-    from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
-
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", abi, *ISA_FLAGS, *extra_flags]
@@ -82,6 +80,8 @@ def _build(compiler: str, source: Path, extra_flags: tuple[str, ...] = ()) -> Pa
     target = cache / f"{source.stem}-{key}.so"
     if target.exists():
         return target
+    from torch.utils.cpp_extension import include_paths  # imports setuptools: only when building
+
     cache.mkdir(parents=True, exist_ok=True)
     log.info("compiling the CPU kernels of %s (once, ~10-30 s) ...", target.name)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
