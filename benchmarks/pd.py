@@ -41,7 +41,6 @@ import signal
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -49,7 +48,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
 from plaserve.bench.client import ClientConfig, run_requests  # noqa: E402
-from plaserve.launcher import RouterProcess, ServerProcess  # noqa: E402
+from plaserve.launcher import RouterProcess, ServerProcess, start_together  # noqa: E402
 from plaserve.router.costs import cost_model_from_dict  # noqa: E402
 from plaserve.workload.slo import TtftSlo  # noqa: E402
 from plaserve.workload.trace import TraceRequest, load_trace  # noqa: E402
@@ -68,9 +67,7 @@ def start_workers(roles: list[str | None], args: argparse.Namespace) -> list[Ser
         )
         for r in roles
     ]
-    with ThreadPoolExecutor(len(procs)) as pool:
-        for f in [pool.submit(p.start) for p in procs]:
-            f.result()
+    start_together(procs)
     return procs
 
 

@@ -52,6 +52,7 @@ from plaserve.profile import Profile  # noqa: E402
 from policy_study.offline import SloRule, fit_cost_model, run_policy  # noqa: E402
 from policy_study.policies import Slice  # noqa: E402
 from policy_study.slices import (  # noqa: E402
+    SliceResult,
     fcfs_load,
     pooled_lines,
     run_slice,
@@ -138,6 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated fcfs utilisations (e.g. 0.2,0.4,0.6,0.75,0.9): the load sweep instead of "
         "the study at --fcfs-util",
     )
+    p.add_argument(
+        "--bound-seconds",
+        type=float,
+        default=30.0,
+        help="solver time for the fewest-violations bound per busy period; past it the solver's own "
+        "bound stands in (lower, still a bound)",
+    )
     p.add_argument("--out", default=None, help="folder for policy_slices.json")
     args = p.parse_args(argv)
 
@@ -171,22 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         rows = []
         for s in slices_of(name, starts):
-            if args.fcfs_util:
-                s = dataclasses.replace(
-                    s,
-                    load=fcfs_load(
-                        s,
-                        config,
-                        cost,
-                        slo,
-                        args.fcfs_util,
-                        step_cost=step,
-                        length_scale=args.length_scale,
-                    ),
-                )
-            rows.append(
-                run_slice(s, config, cost, slo, step_cost=step, length_scale=args.length_scale)
-            )
+            rows.append(at_load(s, args.fcfs_util, args, config, cost, step, slo))
         loads = f"loads for fcfs at {args.fcfs_util:.0%}" if args.fcfs_util else f"load {load}"
         print(
             f"\n== {file}: {len(rows)} slices from rows {start}..{stop} every {every}, {loads} "
@@ -206,6 +199,35 @@ def main(argv: list[str] | None = None) -> int:
         }
     write(args.out, out)
     return 0
+
+
+def at_load(
+    s: Slice,
+    fcfs_util: float,
+    args: argparse.Namespace,
+    config: EngineConfig,
+    cost: CostModel,
+    step: CostModel,
+    slo: SloRule,
+    bounds: bool = True,
+) -> SliceResult:
+    """Slice ``s`` run (:func:`run_slice`) at the load where fcfs keeps the simulated machine busy
+    ``fcfs_util`` of the window (0: the slice's own load)."""
+    if fcfs_util:
+        load = fcfs_load(
+            s, config, cost, slo, fcfs_util, step_cost=step, length_scale=args.length_scale
+        )
+        s = dataclasses.replace(s, load=load)
+    return run_slice(
+        s,
+        config,
+        cost,
+        slo,
+        step_cost=step,
+        length_scale=args.length_scale,
+        bounds=bounds,
+        bound_seconds=args.bound_seconds,
+    )
 
 
 def slices_of(name: str, starts: str) -> list[Slice]:
@@ -231,23 +253,7 @@ def sweep(
         for util in levels:
             rows = []
             for s in slices_of(name, starts):
-                s = dataclasses.replace(
-                    s,
-                    load=fcfs_load(
-                        s, config, cost, slo, util, step_cost=step, length_scale=args.length_scale
-                    ),
-                )
-                rows.append(
-                    run_slice(
-                        s,
-                        config,
-                        cost,
-                        slo,
-                        step_cost=step,
-                        length_scale=args.length_scale,
-                        bounds=False,
-                    )
-                )
+                rows.append(at_load(s, util, args, config, cost, step, slo, bounds=False))
             by_level[util] = rows
         table = sweep_table(by_level)
         print(

@@ -4,7 +4,7 @@ Setup, all on loopback, one run alone on the machine:
 
 * **workers**: two ``plaserve serve`` of ``engine_vs_vllm.py``'s small checkpoint (random weights,
   bfloat16, built if missing), one thread each (``OMP_NUM_THREADS=1``), prefix caching on (the
-  default), the tests' Qwen2.5 chat template. With ``--backend vllm``: two vLLM 0.32 servers
+  default), the tests' Qwen2.5 chat template (``--worker-args``: more flags for both). With ``--backend vllm``: two vLLM 0.32 servers
   (``engine_vs_vllm.py``'s venv), one CPU each, prefix caching on (vLLM's default; its
   ``/reset_prefix_cache`` needs ``VLLM_SERVER_DEV_MODE=1``); the router then knows nothing of their
   caches' sizes and takes them to hold ``--prefix-cache-tokens`` (its default). Either pair starts
@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import sys
 import time
 from collections.abc import Iterator
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine_vs_vllm import MODELS, VllmProcess, build_checkpoint, ensure_vllm_venv  # noqa: E402
-from plaserve.launcher import RouterProcess, ServerProcess  # noqa: E402
+from plaserve.launcher import RouterProcess, ServerProcess, running  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "tests" / "server" / "templates" / "qwen2_5.jinja"
 CONFIGS = {
@@ -158,18 +159,19 @@ def workers(args: argparse.Namespace, model: Path) -> Iterator[list[str]]:
             str(model),
             *("--dtype", "bfloat16", "--chat-template", str(TEMPLATE), "--max-model-len", "4096"),
             *("--kv-cache-memory", "1GiB", "--served-model-name", "m"),
+            *shlex.split(args.worker_args),
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with ServerProcess(flags, env=env) as a, ServerProcess(flags, env=env) as b:
-            yield [a.url, b.url]
+        with running(ServerProcess(flags, env=env), ServerProcess(flags, env=env)) as procs:
+            yield [p.url for p in procs]
         return
     python = ensure_vllm_venv(args.vllm_venv, None)
     flags = [
         *("--dtype", "bfloat16", "--chat-template", str(TEMPLATE), "--max-model-len", "4096"),
         *("--served-model-name", "m", "--enable-prompt-tokens-details"),
     ]
-    with PinnedVllm(python, model, flags, 0) as a, PinnedVllm(python, model, flags, 1) as b:
-        yield [a.url, b.url]
+    with running(PinnedVllm(python, model, flags, 0), PinnedVllm(python, model, flags, 1)) as procs:
+        yield [p.url for p in procs]
 
 
 def run_configs(
@@ -209,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoints", type=Path, default=Path.home() / ".cache" / "plaserve" / "engine_vs_vllm"
     )
     p.add_argument("--backend", choices=("plaserve", "vllm"), default="plaserve")
+    p.add_argument(
+        "--worker-args", default="", help="more flags for both plaserve workers' `serve`, quoted"
+    )
     p.add_argument(
         "--vllm-venv",
         type=Path,

@@ -102,13 +102,15 @@ def run_slice(
     seconds: float = 60.0,
     policies: Sequence[str] = POLICIES,
     bounds: bool = True,
+    bound_seconds: float = 30.0,
 ) -> SliceResult:
     """Replay one slice under each policy on the simulated clock (fresh engine each, identical inputs).
 
     ``cost`` sizes the slice, sets the SLOs and is the schedulers' cost model, as the fitted isolated
     prefill model is in ``benchmarks/policies.py``; ``step_cost`` (default: ``cost``) times the steps,
     standing in for the machine. ``bounds=False`` skips the bounds and the idealised online schedules
-    (the load sweep reads only the policies' own figures)."""
+    (the load sweep reads only the policies' own figures); ``bound_seconds`` caps the solver of the
+    fewest-violations bound per busy period (past it the bound is the solver's, still a lower bound)."""
     arrivals, _ = scaled_slice(s, cost, length_scale, s.load, seconds)
     results: dict[str, dict] = {}
     violations: dict[str, int] = {}
@@ -126,7 +128,9 @@ def run_slice(
         # The bounds price the work as the simulated machine runs it (the step model); SLOs stay the slice's.
         prompts = [(a.arrival, a.prompt_tokens) for a in arrivals]
         threshold = config.scheduler.short_threshold
-        limits = slice_bounds(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), threshold)
+        limits = slice_bounds(
+            prompts, step_cost or cost, lambda n: slo.ttft(cost, n), threshold, bound_seconds
+        )
         online = ideal_online(prompts, step_cost or cost, lambda n: slo.ttft(cost, n), threshold)
         least = limits["slo_violations"]
     return SliceResult(

@@ -8,6 +8,7 @@ them with ``plaserve bench``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -232,3 +235,28 @@ class RouterProcess(PlaserveProcess):
             port=port,
             startup_timeout=startup_timeout,
         )
+
+
+def start_together(procs: Sequence[PlaserveProcess]) -> None:
+    """Start ``procs`` at once, each waiting for its own health check on a thread of its own, so that N
+    servers are up in about the time of the slowest rather than of all of them. If any fails to start,
+    every one is stopped and the first failure raised."""
+    with ThreadPoolExecutor(max(1, len(procs))) as pool:
+        futures = [pool.submit(p.start) for p in procs]
+    errors = [e for e in (f.exception() for f in futures) if e is not None]
+    if errors:
+        for p in procs:
+            p.stop()
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def running(*procs: PlaserveProcess) -> Iterator[tuple[PlaserveProcess, ...]]:
+    """``with running(a, b) as (a, b):`` both started together (:func:`start_together`), both stopped
+    on leaving."""
+    start_together(procs)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()

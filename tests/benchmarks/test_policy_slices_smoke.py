@@ -20,6 +20,9 @@ def test_policy_slices_runs_one_slice_of_each_trace(load_benchmark, tmp_path, ca
                 "0:0:1",
                 "--conv-starts",
                 "0:0:1",
+                # the code slice's largest busy period would take the solver its default 30 s
+                "--bound-seconds",
+                "1",
                 "--out",
                 str(tmp_path),
             ]
@@ -28,6 +31,7 @@ def test_policy_slices_runs_one_slice_of_each_trace(load_benchmark, tmp_path, ca
     )
     printed = capsys.readouterr().out
     assert printed.count("| pla SLO violations vs fcfs | <= -70% |") == 2
+    assert "no scheduler fewer than" in printed
     out = json.loads((tmp_path / "policy_slices.json").read_text())
     assert set(out["traces"]) == {"code", "conv"}
     assert out["cost_model"] == out["step_cost_model"]

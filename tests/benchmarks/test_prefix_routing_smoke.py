@@ -17,6 +17,7 @@ def test_every_configuration_replays_the_conversations(load_benchmark, tmp_path:
     out = tmp_path / "report.json"
     argv = ["--sessions", "2", "--turns", "3", "--doc-tokens", "300", "--rounds", "1"]
     argv += ["--think", "0.05", "--stagger", "0.05", "--max-tokens", "2"]
+    argv += ["--worker-args", "--no-compile --kv-cache-memory 64MiB"]
     assert bench.main([*argv, "--checkpoints", str(tmp_path), "--out", str(out)]) == 0
     results = json.loads(out.read_text())["results"]
     assert set(results) == set(bench.CONFIGS)

@@ -16,7 +16,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -25,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess
+from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess, running
 from plaserve.router.hints import HEADER
 
 from .test_proxy import metric
@@ -80,14 +79,8 @@ def workers(qwen2_ckpt: str) -> Iterator[dict[str, PlaserveProcess]]:
         "doomed_prefill": ServerProcess([qwen2_ckpt, *ARGS, "--pd-role", "prefill"]),
         "doomed_decode": ServerProcess([qwen2_ckpt, *ARGS, "--pd-role", "decode"]),
     }
-    try:
-        with ThreadPoolExecutor(len(procs)) as pool:
-            for f in [pool.submit(p.start) for p in procs.values()]:
-                f.result()
+    with running(*procs.values()):
         yield procs
-    finally:
-        for p in procs.values():
-            p.stop()
 
 
 @pytest.fixture(scope="module")

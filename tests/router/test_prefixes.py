@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from plaserve.cost import CostModel
-from plaserve.launcher import RouterProcess, ServerProcess
+from plaserve.launcher import RouterProcess, ServerProcess, running
 from plaserve.router.config import BreakerConfig, RouterConfig
 from plaserve.router.dispatch import DispatchCore
 from plaserve.router.policies import Job, PlaPolicy
@@ -144,8 +144,7 @@ def two_workers_and_router(qwen2_ckpt: str, tmp_path_factory: pytest.TempPathFac
     profile.write_text(json.dumps({"cost_model": model, "short_threshold": 512}))
     args = [qwen2_ckpt, "--kv-cache-memory", "16MiB", "--no-compile"]
     with (
-        ServerProcess(args) as a,
-        ServerProcess(args) as b,
+        running(ServerProcess(args), ServerProcess(args)) as (a, b),
         RouterProcess([a.url, b.url], ["--profile", str(profile)]) as router,
     ):
         yield [a, b], router

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from plaserve.launcher import RouterProcess, ServerProcess
+from plaserve.launcher import RouterProcess, ServerProcess, running
 
 KW = {
     "instructions": "Answer briefly.",
@@ -28,8 +28,9 @@ WORKER_ARGS = ["--kv-cache-memory", "16MiB", "--no-compile"]
 @pytest.fixture(scope="module")
 def workers_and_router(qwen2_ckpt: str):
     with (
-        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as worker,
-        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as other,
+        running(
+            ServerProcess([qwen2_ckpt, *WORKER_ARGS]), ServerProcess([qwen2_ckpt, *WORKER_ARGS])
+        ) as (worker, other),
         RouterProcess([worker.url, other.url]) as router,
     ):
         yield [worker, other], router

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import httpx
 
-from plaserve.launcher import ServerProcess, free_port
+from plaserve.launcher import ServerProcess, free_port, running
 from plaserve.router.config import RouterConfig
 from plaserve.router.proxy import Router, serve
 
@@ -33,10 +33,9 @@ WORKER_ARGS = [
 
 
 def test_a_killed_plaserve_worker_loses_no_request(qwen2_ckpt: str) -> None:
-    with (
-        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as victim,
-        ServerProcess([qwen2_ckpt, *WORKER_ARGS]) as survivor,
-    ):
+    with running(
+        ServerProcess([qwen2_ckpt, *WORKER_ARGS]), ServerProcess([qwen2_ckpt, *WORKER_ARGS])
+    ) as (victim, survivor):
 
         async def main() -> None:
             router = Router(

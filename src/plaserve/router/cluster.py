@@ -16,7 +16,6 @@ import os
 import shlex
 import signal
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 from plaserve.router.cli import add_route_arguments, router_config_from_args, serve_router
 
@@ -89,7 +88,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
 
 def run_cluster(args: argparse.Namespace) -> int:
     """Start the workers and the router; serve until interrupted. Returns the exit status."""
-    from plaserve.launcher import ServerProcess
+    from plaserve.launcher import ServerProcess, start_together
 
     pd = args.prefill is not None or args.decode is not None
     if pd and (args.workers is not None or not args.prefill or not args.decode):
@@ -126,9 +125,7 @@ def run_cluster(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        with ThreadPoolExecutor(args.workers) as pool:
-            for f in [pool.submit(p.start) for p in procs]:
-                f.result()  # re-raises a worker that failed to start
+        start_together(procs)  # raises for a worker that failed to start
         if pd:
             args.prefill_urls = [p.url for p, r in zip(procs, roles) if r == "prefill"]
             args.decode_urls = [p.url for p, r in zip(procs, roles) if r == "decode"]
