@@ -5,7 +5,6 @@ Parameter names match Hugging Face's so checkpoints load by name.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -64,19 +63,15 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding (half-split layout) with a precomputed cos/sin table."""
 
     def __init__(
-        self,
-        head_dim: int,
-        max_positions: int,
-        theta: float,
-        scaling: dict[str, Any] | None,
-        device: torch.device | str | None = None,
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
-        """The table is computed on ``device`` (default: torch's current default device)."""
+        """The table is computed on the CPU (``Module.to`` moves it), also where the model is built
+        on the meta device, as the loader builds it: arithmetic on meta tensors imports
+        torch._dynamo, a second of every server's start-up."""
         super().__init__()
-        with torch.device(device) if device is not None else contextlib.nullcontext():
+        with torch.device("cpu"):
             inv_freq = rope_inv_freq(head_dim, theta, scaling)
-            positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 

@@ -36,11 +36,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Computed on the CPU even where the loader builds the model on the meta device (it rebuilds the
-        # table on the model's device): arithmetic on meta tensors imports torch._dynamo, a second of
-        # every server's start-up.
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, "cpu"
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.head: Projection | None = None
         self.kernels = FusedKernels()  # eager until compile_kernels()

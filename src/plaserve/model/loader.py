@@ -66,11 +66,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def _with_float32_rope(model: LlamaForCausalLM, device: torch.device) -> LlamaForCausalLM:
     """(Re)build the rotary table in float32 on ``device``: ``Module.to(dtype)`` would round it to
-    half precision, and ``to_empty`` leaves it uninitialised."""
+    half precision, and :func:`load_model` allocates every tensor empty."""
     cfg = model.config
     model.rotary = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, device
-    )
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    ).to(device)
     return model
 
 
