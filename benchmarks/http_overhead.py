@@ -5,13 +5,15 @@ aiohttp client in this process).
 Two servers, both idle while the other is measured: ``--engine-mode process``, whose engine runs in
 a process of its own, and ``--engine-mode thread``, whose engine runs on a thread of the HTTP process, where whatever
 Python the event loop runs (parsing, SSE chunks, JSON) holds the GIL the engine thread needs between
-its torch calls. This measures what each costs: decode tokens/s at a few batch sizes, and a burst of
-mixed prompts, as HTTP / offline ratios (1.0 = no cost).
+its torch calls. This measures what each costs: decode tokens/s at a few batch sizes, a burst of
+mixed prompts, and lone short prompts sent one at a time (one output token each: what a short
+prompt's TTFT pays on an idle server), as HTTP / offline ratios (1.0 = no cost).
 
     PYTHONPATH=src .venv/bin/python benchmarks/http_overhead.py [--dtype bfloat16] [--out out/http.json]
 
 Same engine settings on both sides (``--policy fcfs``: no batch window, so the two see the same
-batches); the run prints the load average before and after.
+batches; no prefix caching, since each case runs several times); the run prints the load average
+before and after.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class Case:
     name: str
     prompts: list[list[int]]
     max_tokens: int
+    one_at_a_time: bool = False  # each prompt sent (stepped) once the one before has finished
+
+
+# Lone prompts: around the short prompts of engine_vs_vllm.py's trace (median ~230 tokens).
+LONE_LENGTHS = (64, 232, 400)
+LONE_REQUESTS = 8
 
 
 def cases(seed: int = 0) -> list[Case]:
@@ -45,21 +53,36 @@ def cases(seed: int = 0) -> list[Case]:
     out.append(
         Case("burst of 48 mixed", [ids(rng.choice([64, 256, 1024, 2048])) for _ in range(48)], 32)
     )
+    out += [
+        Case(
+            f"{LONE_REQUESTS} lone prompts of {n}", [ids(n) for _ in range(LONE_REQUESTS)], 1, True
+        )
+        for n in LONE_LENGTHS
+    ]
     return out
 
 
 def engine_args(dtype: str) -> dict:
-    return dict(kv_cache_memory="1GiB", max_model_len=4096, policy="fcfs", dtype=dtype)
+    # No prefix caching: every case runs several times on each side, and a prompt computed before
+    # would be served from the cache the second time.
+    return dict(
+        kv_cache_memory="1GiB",
+        max_model_len=4096,
+        policy="fcfs",
+        dtype=dtype,
+        enable_prefix_caching=False,
+    )
 
 
 def offline(engine: LLMEngine, case: Case) -> float:
     """Wall seconds to run ``case`` to completion in ``engine``, stepped from this thread."""
     params = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
-    for p in case.prompts:
-        engine.add_request(p, params)
-    while engine.has_unfinished():
-        engine.step()
+    for group in [[p] for p in case.prompts] if case.one_at_a_time else [case.prompts]:
+        for p in group:
+            engine.add_request(p, params)
+        while engine.has_unfinished():
+            engine.step()
     return time.perf_counter() - start
 
 
@@ -78,8 +101,20 @@ async def over_http(url: str, case: Case, stream: bool) -> float:
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         start = time.perf_counter()
-        await asyncio.gather(*(one(session, p) for p in case.prompts))
+        if case.one_at_a_time:
+            for p in case.prompts:
+                await one(session, p)
+        else:
+            await asyncio.gather(*(one(session, p) for p in case.prompts))
         return time.perf_counter() - start
+
+
+def rate(row: dict, seconds: float) -> str:
+    """Output tokens a second; for lone prompts (one token each) milliseconds a request instead: an
+    idle server's TTFT, request included."""
+    if row["one_at_a_time"]:
+        return f"{1000 * seconds / row['output_tokens']:.1f} ms a request"
+    return f"{row['output_tokens'] / seconds:.0f}"
 
 
 def main() -> int:
@@ -102,6 +137,7 @@ def main() -> int:
         "fcfs",
         "--dtype",
         args.dtype,
+        "--no-enable-prefix-caching",
     ]
     rows = []
     with (
@@ -125,6 +161,7 @@ def main() -> int:
                 {
                     "case": case.name,
                     "output_tokens": tokens,
+                    "one_at_a_time": case.one_at_a_time,
                     **{k: round(v, 3) for k, v in best.items()},
                 }
             )
@@ -140,7 +177,7 @@ def main() -> int:
             f"| {r['case']} | {r['offline']:.3f} | {r['stream']:.3f} | {r['whole']:.3f} | "
             f"{r['stream'] / r['offline']:.2f} | {r['whole'] / r['offline']:.2f} | "
             f"{r['thread_stream'] / r['offline']:.2f} | "
-            f"{r['output_tokens'] / r['offline']:.0f} | {r['output_tokens'] / r['stream']:.0f} |"
+            f"{rate(r, r['offline'])} | {rate(r, r['stream'])} |"
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -4,11 +4,12 @@ Setup, all on loopback, one run alone on the machine:
 
 * **workers**: two ``plaserve serve`` of ``engine_vs_vllm.py``'s small checkpoint (random weights,
   bfloat16, built if missing), one thread each (``OMP_NUM_THREADS=1``), prefix caching on (the
-  default), the tests' Qwen2.5 chat template (``--worker-args``: more flags for both). With ``--backend vllm``: two vLLM 0.32 servers
-  (``engine_vs_vllm.py``'s venv), one CPU each, prefix caching on (vLLM's default; its
-  ``/reset_prefix_cache`` needs ``VLLM_SERVER_DEV_MODE=1``); the router then knows nothing of their
-  caches' sizes and takes them to hold ``--prefix-cache-tokens`` (its default). Either pair starts
-  once, and their caches are emptied before each replay (``POST /reset_prefix_cache``).
+  default), the tests' Qwen2.5 chat template (``--worker-args``: more flags for both). With
+  ``--backend vllm``: two vLLM 0.32 servers (``engine_vs_vllm.py``'s venv), one CPU each, prefix
+  caching on (vLLM's default; its ``/reset_prefix_cache`` needs ``VLLM_SERVER_DEV_MODE=1``); the
+  router then knows nothing of their caches' sizes and takes them to hold ``--prefix-cache-tokens``
+  (its default). Either pair starts once (both at the same time), and their caches are emptied before
+  each replay (``POST /reset_prefix_cache``).
 * **router**: ``plaserve route`` in front of them, one run per configuration: ``pla`` (prefix-aware,
   the default), ``pla --no-prefix-aware`` (each request priced by its whole prompt, as before), and
   ``round_robin``.

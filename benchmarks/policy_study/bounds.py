@@ -156,9 +156,10 @@ def online_late(jobs: Sequence[Job], order: str, short_work: float | None = None
 
 def min_slo_violations(jobs: Sequence[Job], time_limit: float = 30.0) -> int:
     """Fewest requests that any scheduler must serve after their deadline: :func:`fewest_late` over
-    each busy period (``time_limit`` seconds of solver each). A machine that serves every job as soon as it can falls idle between two periods,
-    and an on-time subset of a period's jobs finishes before the period would end, so no period can
-    lend time to another: solving them apart is exact, and much faster."""
+    each busy period (``time_limit`` seconds of solver each). A machine that serves every job as soon
+    as it can falls idle between two periods, and an on-time subset of a period's jobs finishes before
+    the period would end, so no period can lend time to another: solving them apart is exact, and much
+    faster."""
     periods = busy_periods(sorted(jobs, key=lambda j: j.arrival))
     return sum(fewest_late(p, time_limit) for p in periods)
 

@@ -322,7 +322,7 @@ def test_a_compiler_without_amx_builds_the_kernel_without_it(monkeypatch, caplog
 def test_the_kernel_source_builds_without_the_amx_flags(monkeypatch, tmp_path):
     """The fallback build (a compiler without AMX support) compiles for real: the AVX512-BF16 paths
     must not depend on the AMX section. Built into a scratch cache, not loaded (the namespace is
-    registered already). At -O0, half the time of -O3: whether it compiles and links is the question."""
+    registered already), at -O0: whether it compiles and links is the question, in half -O3's time."""
     monkeypatch.setenv("PLASERVE_CACHE", str(tmp_path))
     built = kernels._build(kernels._compiler(), kernels.HERE / "varlen_attention.cpp", ("-O0",))
     assert built.exists() and built.parent == tmp_path / "kernels"
