@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -186,3 +187,65 @@ def test_outputs_from_the_engine_process_carry_their_prompt(qwen2_ckpt: str) -> 
                 usage = chunk.get("usage") or usage
         assert tokens == {i: len(p) + 3 for i, p in enumerate(prompts)}
         assert usage is not None and usage["prompt_tokens"] == 40 + 7 + 90
+
+
+def test_outputs_cross_the_pipe_as_deltas_and_come_out_whole(qwen2_ckpt: str) -> None:
+    """Every output a real engine produces, with logprobs and prompt logprobs, and with a stop string
+    that cuts the text at the end, crosses as what is new (pickled, as the pipe does) and is rebuilt
+    equal on the server's side; a step's delta does not grow with the output."""
+    from plaserve import EngineConfig, LLMEngine, SamplingParams
+    from plaserve.server.engine_process import _Received, _Sent
+
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=qwen2_ckpt, dtype="float32", kv_cache_memory="16MiB", max_model_len=512
+        )
+    )
+    prompt = list(range(5, 45))
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    full = engine.add_request(prompt, SamplingParams(**greedy))
+    texts = []
+    while engine.has_unfinished():
+        texts += [out.outputs[0].text for out in engine.step()]
+    text = full.output_text
+    # A stop string that begins in text one step sent and ends in the next: the text it cuts has
+    # crossed already, so that delta says the text is whole.
+    cut, stop = next(
+        (len(a) - 2, text[len(a) - 2 : len(a) + 1])
+        for a, b in zip(texts, texts[1:])
+        if len(a) >= 2
+        and len(b) > len(a)
+        and text.index(text[len(a) - 2 : len(a) + 1]) == len(a) - 2
+    )
+    params = {
+        "logprobs": SamplingParams(**greedy, logprobs=2, prompt_logprobs=1),
+        "stop": SamplingParams(**greedy, stop=[stop]),
+    }
+    reqs = {name: engine.add_request(prompt, p) for name, p in params.items()}
+    names = {r.request_id: name for name, r in reqs.items()}
+    sent = {rid: _Sent(rid) for rid in names}
+    received = {rid: _Received(rid, prompt) for rid in names}
+    sizes: dict[str, list[int]] = {name: [] for name in params}
+    seen = cuts = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            wire = pickle.dumps(sent[out.request_id].wire(out))
+            sizes[names[out.request_id]].append(len(wire))
+            delta = pickle.loads(wire)
+            cuts += names[out.request_id] == "stop" and delta.text_whole
+            rebuilt = received[out.request_id].add(delta)
+            assert rebuilt.request_id == out.request_id
+            assert rebuilt.outputs == out.outputs
+            assert rebuilt.prompt_token_ids == prompt and rebuilt.prompt == out.prompt
+            assert rebuilt.prompt_logprobs == out.prompt_logprobs
+            assert (rebuilt.finished, rebuilt.num_cached_tokens) == (
+                out.finished,
+                out.num_cached_tokens,
+            )
+            assert rebuilt.metrics.ttft == out.metrics.ttft
+            seen += 1
+    assert reqs["stop"].output_text == text[:cut] and reqs["stop"].finish_reason == "stop"
+    assert cuts == 1  # the stop string's first characters had crossed before it was found
+    assert len(reqs["logprobs"].output_token_ids) == 24 and seen >= 24 + 7
+    later = sizes["logprobs"][1:]  # the first carries the prompt's logprobs
+    assert max(later) <= min(later) + 64, later

@@ -13,8 +13,9 @@ One pipe carries pickled messages both ways:
   ``("abort", request_id)``, ``("metrics", n)``, ``("reset_prefix_cache", n)``, ``("count_error",
   status)``, ``("stop",)``;
 * engine -> server: ``("ready", facts, snapshot)`` or ``("failed", error)`` once built; then
-  ``("out", [(request_id, output or error)])`` once a step (every output of the step in one message;
-  an output comes without its prompt's token ids, which the server has: see :class:`_PipeOutbox`),
+  ``("out", [(request_id, delta or error)])`` once a step (every output of the step in one message;
+  an output crosses as what is new since the request's last one, and the server rebuilds the whole
+  output from it and from the prompt, which it has: see :class:`OutputDelta`),
   ``("state", snapshot, num_waiting, num_taken, alive)`` when one of them changed, ``("refused",
   count)`` for submissions it could not take, ``("reply", n, value)`` for question ``n`` (the metrics'
   exposition, whether the prefix cache was reset).
@@ -30,18 +31,18 @@ after an in-process loop gave up).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing
 import pickle
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from plaserve.engine.engine import LLMEngine
-from plaserve.request import RequestOutput
+from plaserve.request import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from plaserve.server.engine_loop import (
     EngineFacts,
     EngineLoop,
@@ -111,8 +112,8 @@ class EngineProcess:
         self._child_alive = True
         self._stopping = False
         self._ended = False
-        # Each request's sink, and its prompt's token ids for the outputs, which come without them.
-        self._sinks: dict[str, tuple[OutputSink, list[int]]] = {}
+        # Each request's sink, and what rebuilds its outputs from the deltas that cross the pipe.
+        self._sinks: dict[str, tuple[OutputSink, _Received]] = {}
         self._question_ids = itertools.count()
         # questions to the child (metrics, a prefix-cache reset) waiting for its reply, by number
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -142,7 +143,10 @@ class EngineProcess:
             queued = self._num_waiting + self._num_sent - self._num_taken - self._num_refused
             check_queue(self.max_queue, queued, len(submissions), self._snapshot)
             for sub in submissions:
-                self._sinks[sub.request_id] = (sub.sink, sub.prompt_token_ids)
+                self._sinks[sub.request_id] = (
+                    sub.sink,
+                    _Received(sub.request_id, sub.prompt_token_ids),
+                )
             self._num_sent += len(submissions)
             wire = [
                 (s.request_id, s.prompt_token_ids, s.params, s.arrival_time, s.after)
@@ -229,19 +233,19 @@ class EngineProcess:
                     _settle(*waiting, msg[2])
         self._ended_now()
 
-    def _dispatch(self, puts: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        items = []
+    def _dispatch(self, puts: list[tuple[str, OutputDelta | BaseException]]) -> None:
+        items: list[tuple[OutputSink, RequestOutput | BaseException]] = []
         with self._lock:
             for request_id, item in puts:
                 if request_id not in self._sinks:  # aborted here meanwhile
                     continue
                 if isinstance(item, BaseException) or item.finished:
-                    sink, prompt = self._sinks.pop(request_id)
+                    sink, received = self._sinks.pop(request_id)
                 else:
-                    sink, prompt = self._sinks[request_id]
-                if isinstance(item, RequestOutput):
-                    item.prompt_token_ids = prompt
-                items.append((sink, item))
+                    sink, received = self._sinks[request_id]
+                items.append(
+                    (sink, item if isinstance(item, BaseException) else received.add(item))
+                )
         deliver(items)
 
     def _ended_now(self) -> None:
@@ -282,9 +286,9 @@ def _settle(aloop: asyncio.AbstractEventLoop, future: asyncio.Future, value: Any
 class _PipeOutbox:
     """The child's end: outputs, state changes and replies, pickled into the pipe (any thread).
 
-    Outputs go without their prompt's token ids (the server puts its own back): every running
-    request has an output each step, so each step sent every running prompt again, and the server,
-    which shares the engine's CPUs, unpickled it (a step of 50 outputs: 78 KB with, 18 KB without)."""
+    Outputs go as :class:`OutputDelta`, keyed by each request's :class:`_Sent`: an engine output
+    holds the whole output so far, so sent whole, a step's message grew with every token and the
+    server, which shares the engine's CPUs, unpickled it all again (docs/SERVER.md has the sizes)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
@@ -300,7 +304,7 @@ class _PipeOutbox:
                 pass
 
     def send(self, puts: list[tuple[Any, tuple[int, RequestOutput | BaseException]]]) -> None:
-        self.message(("out", [(key, _wire(item)) for key, (_, item) in puts]))
+        self.message(("out", [(sent.request_id, sent.wire(item)) for sent, (_, item) in puts]))
 
     def on_change(self, loop: EngineLoop) -> None:
         snapshot, counts = loop.snapshot(), (loop.num_waiting, loop.num_taken, loop.alive)
@@ -310,12 +314,115 @@ class _PipeOutbox:
             self.message(("state", snapshot, *counts))
 
 
-def _wire(item: RequestOutput | BaseException) -> RequestOutput | BaseException:
-    """``item`` as it crosses the pipe: an output without its prompt's token ids, an exception
-    :func:`_portable`."""
-    if isinstance(item, BaseException):
-        return _portable(item)
-    return dataclasses.replace(item, prompt_token_ids=[])
+@dataclass(frozen=True)
+class OutputDelta:
+    """One engine output as it crosses the pipe: what is new since the request's last one. The token
+    ids, logprobs and text of an output only grow, except that the text is cut where a stop string
+    is found: then ``text_whole`` says ``text`` is all of it. The prompt's text and logprobs come
+    once, with the first; the metrics' per-token lists not at all (the child's loop observes them)."""
+
+    token_ids: list[int]
+    text: str
+    text_whole: bool
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+    finished: bool
+    num_cached_tokens: int
+    # arrival, first scheduled, first token and finish times, preemptions
+    metrics: tuple[float, float | None, float | None, float | None, int]
+    first: tuple[str | None, list[TokenLogprobs | None] | None] | None  # prompt, prompt_logprobs
+
+
+class _Sent:
+    """The child's side of one request's deltas: how much of its output has crossed."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.started = False  # the first delta (with the prompt's text and logprobs) has crossed
+        self.tokens = 0
+        self.text = ""
+        self.logprobs = 0
+
+    def wire(self, item: RequestOutput | BaseException) -> OutputDelta | BaseException:
+        """``item`` as it crosses the pipe: an output as its :class:`OutputDelta`, an exception
+        :func:`_portable`."""
+        if isinstance(item, BaseException):
+            return _portable(item)
+        (out,) = item.outputs
+        extends = out.text.startswith(self.text)
+        m = item.metrics
+        delta = OutputDelta(
+            out.token_ids[self.tokens :],
+            out.text[len(self.text) :] if extends else out.text,
+            not extends,
+            None if out.logprobs is None else out.logprobs[self.logprobs :],
+            out.finish_reason,
+            out.stop_reason,
+            item.finished,
+            item.num_cached_tokens,
+            (
+                m.arrival_time,
+                m.first_scheduled_time,
+                m.first_token_time,
+                m.finish_time,
+                m.num_preemptions,
+            ),
+            None if self.started else (item.prompt, item.prompt_logprobs),
+        )
+        self.started, self.tokens, self.text = True, len(out.token_ids), out.text
+        self.logprobs = 0 if out.logprobs is None else len(out.logprobs)
+        return delta
+
+
+class _Received:
+    """The server's side of one request's deltas: the output so far, rebuilt."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.prompt: str | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def add(self, d: OutputDelta) -> RequestOutput:
+        """The whole output ``d`` brings the request to (lists copied: earlier outputs keep theirs)."""
+        if d.first is not None:
+            self.prompt, self.prompt_logprobs = d.first
+        self.token_ids += d.token_ids
+        self.text = d.text if d.text_whole else self.text + d.text
+        if d.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += d.logprobs
+        arrival, scheduled, first_token, finish, preemptions = d.metrics
+        metrics = RequestMetrics(
+            arrival,
+            scheduled,
+            first_token_time=first_token,
+            finish_time=finish,
+            num_cached_tokens=d.num_cached_tokens,
+            num_preemptions=preemptions,
+        )
+        output = CompletionOutput(
+            0,
+            self.text,
+            list(self.token_ids),
+            d.finish_reason,
+            d.stop_reason,
+            None if self.logprobs is None else list(self.logprobs),
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[output],
+            finished=d.finished,
+            metrics=metrics,
+            num_cached_tokens=d.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs,
+        )
 
 
 def _portable(item: RequestOutput | BaseException) -> RequestOutput | BaseException:
@@ -374,7 +481,9 @@ def _take_commands(conn: Connection, loop: EngineLoop, outbox: _PipeOutbox) -> N
         kind = msg[0]
         if kind == "submit":
             subs = [
-                Submission(rid, ids, params, arrival, OutputSink.into(outbox, rid), after=after)
+                Submission(
+                    rid, ids, params, arrival, OutputSink.into(outbox, _Sent(rid)), after=after
+                )
                 for rid, ids, params, arrival, after in msg[1]
             ]
             try:
