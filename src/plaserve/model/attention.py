@@ -152,6 +152,17 @@ class AttentionMetadata:
         return self._native_inputs
 
 
+@dataclass
+class QueryRows:
+    """Some rows of a packed batch, each the last new token of its sequence, attended without the
+    others: the queries of the final decoder layer when only the rows that sample are wanted
+    (:meth:`~plaserve.model.llama.LlamaForCausalLM.forward`). Every row attends to its whole
+    context, so ``meta`` lays them out as decode rows reading their keys from the cache."""
+
+    rows: torch.Tensor  # [N] packed rows, in the order of meta's decode rows
+    meta: AttentionMetadata  # decode rows only: their block tables and context lengths
+
+
 def _slots(block_table: torch.Tensor, block_size: int) -> torch.Tensor:
     """The flat cache slots of a block table's tokens, in order: ``[..., blocks * block_size]``."""
     offsets = torch.arange(block_size, device=block_table.device)
@@ -235,14 +246,20 @@ def attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     meta: AttentionMetadata,
     scale: float,
+    queries: AttentionMetadata | None = None,
 ) -> torch.Tensor:
     """Attention for a packed batch. ``q``: ``[T, H, D]``, ``k``/``v``: ``[T, Hk, D]``; returns ``[T, H, D]``.
 
     New K/V are written into ``kv_cache`` first (when given), so cached-prefix and decode requests
-    read their whole context from the cache.
+    read their whole context from the cache. ``queries``: ``q`` holds only some rows (a
+    :class:`QueryRows`' ``[N, H, D]``), laid out by this metadata; ``k``/``v`` and ``meta`` are still
+    the whole batch's, whose keys the cache needs.
     """
     if kv_cache is not None:
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    if queries is not None:
+        assert kv_cache is not None, "queries read their keys from the cache"
+        meta = queries
     out = torch.empty_like(q)
     native = (
         varlen_attention()

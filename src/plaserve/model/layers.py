@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from plaserve.model import kernels
-from plaserve.model.attention import AttentionMetadata, attention
+from plaserve.model.attention import AttentionMetadata, QueryRows, attention, write_kv
 from plaserve.model.config import ModelConfig
 from plaserve.model.fused import FusedKernels, rms_norm
 
@@ -444,14 +444,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.o_bias)
         self.scale = self.head_dim**-0.5
         self.qkv: Projection | None = None  # q, k and v as one matmul, see fuse()
+        self.q: Projection | None = None  # or q apart from k and v (fuse's split_q)
+        self.kv: Projection | None = None
         self.o: Projection | None = None
 
-    def fuse(self) -> None:
-        """Run the q, k and v projections as one matmul, and every projection in its fastest layout."""
-        self.qkv, self.o = (
-            Projection([self.q_proj, self.k_proj, self.v_proj]),
-            Projection([self.o_proj]),
-        )
+    def fuse(self, split_q: bool = False) -> None:
+        """Run the q, k and v projections as one matmul, and every projection in its fastest layout.
+        ``split_q``: q as one matmul and k and v as another, for a layer whose queries may be fewer
+        rows than its keys (the final layer's: see :meth:`forward`'s ``queries``)."""
+        if split_q:
+            self.q, self.kv = Projection([self.q_proj]), Projection([self.k_proj, self.v_proj])
+        else:
+            self.qkv = Projection([self.q_proj, self.k_proj, self.v_proj])
+        self.o = Projection([self.o_proj])
 
     def forward(
         self,
@@ -460,18 +465,53 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         kernels: FusedKernels,
+        queries: QueryRows | None = None,
     ) -> torch.Tensor:
+        """The attention block's output for ``x`` ``[T, hidden]``: ``[T, hidden]``, or with ``queries``
+        only their rows' ``[N, hidden]`` (the keys and values, which the cache keeps, still of every
+        row)."""
         t, h, hk, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv is not None:
+        if queries is None and self.qkv is not None:
             qkv = self.qkv(x)
             qk, v = qkv[:, : (h + hk) * d].view(t, h + hk, d), qkv[:, (h + hk) * d :].view(t, hk, d)
+            # q and k sit side by side in the fused output: rotate them in one pass.
+            q, k = kernels.rotary(qk, *rope).split([h, hk], dim=1)
+            o = attention(q, k, v, kv_cache, meta, self.scale)
         else:
-            qk = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1).view(t, h + hk, d)
-            v = self.v_proj(x).view(t, hk, d)
-        # q and k sit side by side in the fused output: rotate them in one pass.
-        q, k = kernels.rotary(qk, *rope).split([h, hk], dim=1)
-        o = attention(q, k, v, kv_cache, meta, self.scale).view(t, -1)
+            kv = (
+                self.kv(x)
+                if self.kv is not None
+                else torch.cat([self.k_proj(x), self.v_proj(x)], 1)
+            )
+            k, v = kv[:, : hk * d].view(t, hk, d), kv[:, hk * d :].view(t, hk, d)
+            k = kernels.rotary(k, *rope)
+            if queries is not None:
+                x = x.index_select(0, queries.rows)
+                rope = (
+                    rope[0].index_select(0, queries.rows),
+                    rope[1].index_select(0, queries.rows),
+                )
+            q = (self.q(x) if self.q is not None else self.q_proj(x)).view(x.shape[0], h, d)
+            q = kernels.rotary(q, *rope)
+            o = attention(
+                q, k, v, kv_cache, meta, self.scale, None if queries is None else queries.meta
+            )
+        o = o.view(o.shape[0], -1)
         return self.o(o) if self.o is not None else self.o_proj(o)
+
+    def store_keys_values(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kernels: FusedKernels,
+    ) -> None:
+        """Only write ``x``'s keys and values into the cache: a final layer whose rows none sample."""
+        t, hk, d = x.shape[0], self.num_kv_heads, self.head_dim
+        kv = self.kv(x) if self.kv is not None else torch.cat([self.k_proj(x), self.v_proj(x)], 1)
+        k = kernels.rotary(kv[:, : hk * d].view(t, hk, d), *rope)
+        write_kv(kv_cache[0], kv_cache[1], k, kv[:, hk * d :].view(t, hk, d), meta.slot_mapping)
 
 
 class DecoderLayer(nn.Module):
@@ -493,15 +533,23 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
         meta: AttentionMetadata,
         kernels: FusedKernels,
+        queries: QueryRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sublayer output, residual)`` after this block, for ``x`` and ``residual`` before it
-        (``residual`` None: ``x`` is the embedding, the first block's input)."""
+        (``residual`` None: ``x`` is the embedding, the first block's input). ``queries``: only their
+        rows come out (the block's keys and values still go into the cache for every row)."""
         norm = self.input_layernorm
         if residual is None:
             h, residual = norm(x), x
         else:
             h, residual = kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, rope, kv_cache, meta, kernels)
+        if queries is not None:
+            residual = residual.index_select(0, queries.rows)
+            if not len(queries.rows):
+                assert kv_cache is not None, "queries read their keys from the cache"
+                self.self_attn.store_keys_values(h, rope, kv_cache, meta, kernels)
+                return residual, residual
+        h = self.self_attn(h, rope, kv_cache, meta, kernels, queries)
         norm = self.post_attention_layernorm
         h, residual = kernels.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp(h, kernels), residual

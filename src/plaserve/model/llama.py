@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from plaserve.model.attention import AttentionMetadata
+from plaserve.model.attention import AttentionMetadata, QueryRows
 from plaserve.model.config import ModelConfig
 from plaserve.model.fused import FusedKernels
 from plaserve.model.layers import DecoderLayer, Projection, RMSNorm, RotaryEmbedding
@@ -45,8 +45,10 @@ class LlamaForCausalLM(nn.Module):
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up into single matmuls and lay every projection out for speed
         (:class:`~plaserve.model.layers.Projection`); after loading, on the final device and dtype."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse()
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            # The final layer's q apart: its queries may be only the rows that sample (forward).
+            layer.self_attn.fuse(split_q=i == last)
             layer.mlp.fuse()
         # A tied head keeps the embedding table's layout and gains a packed copy for decode steps: by the
         # plain layout a decode batch's logits cost up to twice as much (152k x 896: 27 against 14 ms
@@ -79,14 +81,31 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        queries: QueryRows | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` of a packed batch; writes its K/V into ``kv_caches`` when given."""
+        """Hidden states ``[T, hidden]`` of a packed batch; writes its K/V into ``kv_caches`` when given.
+
+        ``queries``: only these rows' hidden states, ``[N, hidden]`` in their order (the rows that
+        sample; needs ``kv_caches``). Every other row's final hidden state would only make logits
+        nobody reads, and the final layer reads nothing of it but its keys and values: so that layer
+        computes those for every row (the cache keeps them) and its queries, attention, output
+        projection and MLP only for these rows: a prefill step skips most of one layer's work for
+        every row but the last of each prompt."""
         x, residual = self.model.embed_tokens(input_ids), None
         rope = self.rotary(positions)
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(
-                x, residual, rope, None if kv_caches is None else kv_caches[i], meta, self.kernels
+                x,
+                residual,
+                rope,
+                None if kv_caches is None else kv_caches[i],
+                meta,
+                self.kernels,
+                queries if i == last else None,
             )
+        if queries is not None and not len(queries.rows):
+            return x  # [0, hidden]: no row samples
         norm = self.model.norm
         return self.kernels.add_rms_norm(x, residual, norm.weight, norm.eps)[0]
 
