@@ -478,13 +478,7 @@ class Attention(nn.Module):
             q, k = kernels.rotary(qk, *rope).split([h, hk], dim=1)
             o = attention(q, k, v, kv_cache, meta, self.scale)
         else:
-            kv = (
-                self.kv(x)
-                if self.kv is not None
-                else torch.cat([self.k_proj(x), self.v_proj(x)], 1)
-            )
-            k, v = kv[:, : hk * d].view(t, hk, d), kv[:, hk * d :].view(t, hk, d)
-            k = kernels.rotary(k, *rope)
+            k, v = self._keys_values(x, rope, kernels)
             if queries is not None:
                 x = x.index_select(0, queries.rows)
                 rope = (
@@ -499,6 +493,14 @@ class Attention(nn.Module):
         o = o.view(o.shape[0], -1)
         return self.o(o) if self.o is not None else self.o_proj(o)
 
+    def _keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kernels: FusedKernels
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``'s keys (rotated) and values, ``[T, Hk, D]`` each, without its queries."""
+        t, hk, d = x.shape[0], self.num_kv_heads, self.head_dim
+        kv = self.kv(x) if self.kv is not None else torch.cat([self.k_proj(x), self.v_proj(x)], 1)
+        return kernels.rotary(kv[:, : hk * d].view(t, hk, d), *rope), kv[:, hk * d :].view(t, hk, d)
+
     def store_keys_values(
         self,
         x: torch.Tensor,
@@ -508,10 +510,7 @@ class Attention(nn.Module):
         kernels: FusedKernels,
     ) -> None:
         """Only write ``x``'s keys and values into the cache: a final layer whose rows none sample."""
-        t, hk, d = x.shape[0], self.num_kv_heads, self.head_dim
-        kv = self.kv(x) if self.kv is not None else torch.cat([self.k_proj(x), self.v_proj(x)], 1)
-        k = kernels.rotary(kv[:, : hk * d].view(t, hk, d), *rope)
-        write_kv(kv_cache[0], kv_cache[1], k, kv[:, hk * d :].view(t, hk, d), meta.slot_mapping)
+        write_kv(*kv_cache, *self._keys_values(x, rope, kernels), meta.slot_mapping)
 
 
 class DecoderLayer(nn.Module):
