@@ -87,6 +87,21 @@ def test_prefix_cache_hit_equals_cold_run_and_is_counted(llama_ckpt, alone, poli
     assert cold.metrics.num_cached_tokens == 0 and cold.output_token_ids == first.output_token_ids
 
 
+def test_load_report_prices_a_queued_request_after_its_cached_prefix(llama_ckpt):
+    """A router reads /load's backlog to place the next turn of a conversation: a queued request whose
+    history is cached counts only the prefill it has left, not its whole prompt."""
+    engine = make_engine(llama_ckpt, policy="fcfs")
+    p600 = PROMPTS[3]
+    run(engine, [p600])
+    engine.add_request(p600, GREEDY)  # queued, no blocks yet: 592 tokens will be found cached
+    engine.add_request(PROMPTS[2], GREEDY)  # nothing cached
+    backlog = sum(engine.load_report()["backlog_s"].values())
+    expected = engine.cost.prefill_time(8, 592) + engine.cost.prefill_time(300)
+    assert backlog == pytest.approx(expected) and backlog < engine.cost.prefill_time(600)
+    while engine.has_unfinished():
+        engine.step()
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "pla"])
 def test_preemption_under_memory_pressure_gives_same_tokens(llama_ckpt, alone, policy):
     # 45 blocks of 16 tokens (8 KiB each in this model) for 1,105 tokens of demand: with small chunks

@@ -48,6 +48,42 @@ def test_report_drains_and_adds_what_it_cannot_contain():
     assert w.backlog(2.0) == 0.0
 
 
+def test_first_tokens_of_reported_requests_take_their_cost_off_the_report():
+    """A report taken while the previous turn of a conversation waited: once that turn's first token is
+    back, its cost is off the worker at once, not after the report's time has drained it."""
+    w = worker()
+    w.start(1, 0.3, 300, "short", now=0.0)
+    w.load = LoadReport(backlog_s=0.5, sent=0.01, received=0.02)  # request 1 and 0.2 s of another's
+    w.start(2, 0.1, 100, "short", now=0.03)  # not in the report
+    assert w.backlog(0.05) == pytest.approx(0.47 + 0.1)
+    w.first_token(1)
+    assert w.backlog(0.05) == pytest.approx(0.2 + 0.1)
+    w.first_token(1)  # counted once
+    assert w.backlog(0.05) == pytest.approx(0.3)
+    # the time since the report takes over once it passes what the first tokens took off
+    assert w.backlog(0.42) == pytest.approx(0.1 + 0.1)
+    # at 0.05: 0.3 to fall to 0.15; the report stands still until 0.32 (0.02 + 0.3), then drains
+    assert w.drain_eta(0.15, 0.05, 1.0) == pytest.approx(0.27 + 0.15)
+    w.first_token(2)  # after the report was sent: only its own accounting, which drops it
+    assert w.backlog(0.05) == pytest.approx(0.2)
+    w.load = LoadReport(backlog_s=0.5, sent=1.0, received=1.0)  # a new report starts afresh
+    assert w.backlog(1.0) == pytest.approx(0.5)
+
+
+def test_first_tokens_are_taken_off_the_report_as_the_worker_prices_them():
+    """Under a profile the router prices by one model and the worker's report by its own: a first
+    token takes off what the report counted for the request, in the report's units."""
+    w = worker()
+    w.reported_cost_model = CostModel(
+        g1=3 * w.cost_model.g1, g2=3 * w.cost_model.g2, source="worker"
+    )
+    cost = w.cost((400,))
+    w.start(1, cost, 400, "long", now=0.0)
+    w.load = LoadReport(backlog_s=3 * cost, sent=0.01, received=0.01)
+    w.first_token(1)
+    assert w.backlog(0.01) == pytest.approx(0.0, abs=1e-9)
+
+
 def test_request_dispatched_at_the_poll_instant_counts_once_more_not_never():
     w = worker()
     w.load = LoadReport(backlog_s=0.0, sent=1.0, received=1.0)

@@ -457,7 +457,11 @@ class LLMEngine:
         running = {"short": 0, "long": 0}
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
             cls = self.length_class(req)
-            backlog[cls] += prefill_left(self.cost, req.num_prompt_tokens, req.num_computed_tokens)
+            # A queued request holds no blocks yet, but its prefix-cache lookup on arrival says how
+            # much of its prompt it will find cached: a router pricing it whole would steer the next
+            # turn of a conversation away from the cache that holds its history.
+            computed = max(req.num_computed_tokens, req.num_prompt_tokens - req.uncached_estimate)
+            backlog[cls] += prefill_left(self.cost, req.num_prompt_tokens, computed)
             (running if req.block_table else queued)[cls] += 1
         for (
             held

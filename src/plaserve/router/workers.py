@@ -17,10 +17,15 @@ cost model) that stands between a new request and its first token there:
   worker works off its queue in real time) and the router adds the costs of its requests dispatched
   after ``sent`` that still wait for a first token, which the report cannot contain:
 
-      B_k(now) = max(0, backlog_s - (now - received)) + sum(cost of waiting requests dispatched after sent)
+      B_k(now) = max(0, backlog_s - max(now - received, done)) + sum(cost of waiting requests dispatched after sent)
 
-  (a request dispatched at the very instant of ``sent`` counts as unseen: counting it twice is the
-  safe error). A report older than ``load_stale_s`` is ignored and the router's accounting is used alone, as for
+  where ``done`` sums the costs of the requests the report contains (dispatched before ``sent``) whose
+  first token has come back since, priced as the worker's own cost model prices them: a finished
+  prefill is work the worker has certainly done, however little time passed (without it a report
+  taken while the previous turn of a conversation waited would keep that turn's cost on the worker
+  after its answer, and steer the next turn away from the cache that holds its history). A request
+  dispatched at the very instant of ``sent`` counts as unseen: counting it twice is the safe error.
+  A report older than ``load_stale_s`` is ignored and the router's accounting is used alone, as for
   backends without ``/load``.
 """
 
@@ -44,6 +49,7 @@ class InFlight:
     tokens: int  # prompt tokens (all prompts of the request)
     length_class: str
     dispatched: float  # router clock
+    reported_cost: float  # ``cost`` as the worker's own load reports price it
     prefill_done: bool = False  # first token seen
 
 
@@ -78,11 +84,15 @@ class Worker:
             cost_model  # the model that prices requests here (see plaserve.router.costs)
         )
         self.reports_cost = False  # the cost model is the worker's own, from its /load
+        # the worker's own model as its /load reports it, which prices the backlog there; it differs
+        # from ``cost_model`` when a profile prices every worker
+        self.reported_cost_model: CostModel | None = None
         self.breaker = CircuitBreaker(breaker)
         self.healthy = healthy
         self.removed = False  # deleted by the operator: no new requests; those in flight finish
         self.inflight: dict[int, InFlight] = {}
-        self.load: LoadReport | None = None
+        self._load: LoadReport | None = None
+        self._load_done = 0.0  # costs of the requests in the report whose first token came since
         self.supports_load: bool | None = None  # None: not asked yet
         self.supports_tokenize: bool | None = None
         self.response_prefix: str | None = None  # the ids of the Responses it keeps (its /load)
@@ -107,6 +117,15 @@ class Worker:
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, healthy={self.healthy}, inflight={len(self.inflight)})"
 
+    @property
+    def load(self) -> LoadReport | None:
+        """The latest ``/load`` report (None: none, or the worker left the rotation)."""
+        return self._load
+
+    @load.setter
+    def load(self, report: LoadReport | None) -> None:
+        self._load, self._load_done = report, 0.0
+
     # --- what policies read ------------------------------------------------------------------
     def cost(self, tokens: Sequence[int], prompt: PromptKey | None = None) -> float:
         """Predicted prefill seconds of a request with these prompt lengths (one entry per prompt);
@@ -126,7 +145,11 @@ class Worker:
             for r in self.inflight.values()
             if not r.prefill_done and r.dispatched >= report.sent
         )
-        return max(0.0, report.backlog_s - (now - report.received)) + unseen
+        return self._reported_left(report, now) + unseen
+
+    def _reported_left(self, report: LoadReport, now: float) -> float:
+        """What is left at ``now`` of the backlog ``report`` counted."""
+        return max(0.0, report.backlog_s - max(now - report.received, self._load_done))
 
     @property
     def num_inflight(self) -> int:
@@ -153,10 +176,13 @@ class Worker:
         prompt: PromptKey | None = None,
     ) -> None:
         """A request was dispatched here (its ``prompt`` is remembered as cached here from now)."""
+        cached = 0
         if prompt is not None:
-            self.cached_tokens_total += self.prefixes.cached_tokens(prompt, tokens)
+            cached = self.prefixes.cached_tokens(prompt, tokens)
+            self.cached_tokens_total += cached
             self.prefixes.add(prompt)
-        self.inflight[rid] = InFlight(cost, tokens, length_class, now)
+        reported = self._in_reported_units(cost, tokens, cached)
+        self.inflight[rid] = InFlight(cost, tokens, length_class, now, reported)
         self.requests_total += 1
         self.work_total += cost
         self.breaker.on_dispatch(now)
@@ -164,8 +190,19 @@ class Worker:
     def first_token(self, rid: int) -> None:
         """The request's first token came back: its prefill is no longer in the backlog."""
         entry = self.inflight.get(rid)
-        if entry is not None:
-            entry.prefill_done = True
+        if entry is None or entry.prefill_done:
+            return
+        entry.prefill_done = True
+        if self._load is not None and entry.dispatched < self._load.sent:
+            self._load_done += entry.reported_cost
+
+    def _in_reported_units(self, cost: float, tokens: int, cached: int) -> float:
+        """``cost`` rescaled from ``cost_model`` to the model the worker's reports price by."""
+        own = self.reported_cost_model
+        if own is None or own == self.cost_model or cost == 0:
+            return cost
+        ours = self.cost_model.prefill_time(tokens - cached, cached)
+        return cost * own.prefill_time(tokens - cached, cached) / ours if ours > 0 else cost
 
     def finish(self, rid: int, ok: bool, now: float, *, worker_fault: bool | None = None) -> None:
         """The request left this worker. ``worker_fault`` (default: not ``ok``) feeds the breaker;
@@ -196,9 +233,11 @@ class Worker:
         report = self.load
         if report is None or now - report.received > load_stale_s:
             return None
-        left = report.backlog_s - (now - report.received)
         excess = self.backlog(now, load_stale_s) - level
-        return excess if 0 < excess <= left else None
+        if not 0 < excess <= self._reported_left(report, now):
+            return None
+        # the reported part drains once the time since the report passes what first tokens took off
+        return excess + max(0.0, self._load_done - (now - report.received))
 
     def describe(self, now: float, load_stale_s: float) -> dict:
         """The worker's state as JSON (``GET /workers``)."""
