@@ -95,9 +95,11 @@ def test_load_report_prices_a_queued_request_after_its_cached_prefix(llama_ckpt)
     run(engine, [p600])
     engine.add_request(p600, GREEDY)  # queued, no blocks yet: 592 tokens will be found cached
     engine.add_request(PROMPTS[2], GREEDY)  # nothing cached
-    backlog = sum(engine.load_report()["backlog_s"].values())
+    report = engine.load_report()
+    backlog = sum(report["backlog_s"].values())
     expected = engine.cost.prefill_time(8, 592) + engine.cost.prefill_time(300)
     assert backlog == pytest.approx(expected) and backlog < engine.cost.prefill_time(600)
+    assert report["backlog_tokens"] == [(8, 592), (300, 0)]  # the same work, as a router prices it
     while engine.has_unfinished():
         engine.step()
 

@@ -70,20 +70,6 @@ def test_first_tokens_of_reported_requests_take_their_cost_off_the_report():
     assert w.backlog(1.0) == pytest.approx(0.5)
 
 
-def test_first_tokens_are_taken_off_the_report_as_the_worker_prices_them():
-    """Under a profile the router prices by one model and the worker's report by its own: a first
-    token takes off what the report counted for the request, in the report's units."""
-    w = worker()
-    w.reported_cost_model = CostModel(
-        g1=3 * w.cost_model.g1, g2=3 * w.cost_model.g2, source="worker"
-    )
-    cost = w.cost((400,))
-    w.start(1, cost, 400, "long", now=0.0)
-    w.load = LoadReport(backlog_s=3 * cost, sent=0.01, received=0.01)
-    w.first_token(1)
-    assert w.backlog(0.01) == pytest.approx(0.0, abs=1e-9)
-
-
 def test_request_dispatched_at_the_poll_instant_counts_once_more_not_never():
     w = worker()
     w.load = LoadReport(backlog_s=0.0, sent=1.0, received=1.0)

@@ -596,7 +596,7 @@ def test_metrics_parse_and_count_requests(client: openai.OpenAI, server) -> None
 
 def test_load_report(server) -> None:
     load = httpx.get(f"{server.url}/load").json()
-    assert set(load["backlog_s"]) == {"short", "long"}
+    assert set(load["backlog_s"]) == {"short", "long"} and load["backlog_tokens"] == []  # idle
     assert set(load["queued"]) == set(load["running"]) == {"short", "long"}
     assert {"used_blocks", "free_blocks", "utilization"} <= set(load["kv"])
     assert {"g1", "g2", "c0"} <= set(load["cost_model"])

@@ -450,9 +450,11 @@ class LLMEngine:
         return self.allocator.reset_prefix_cache()
 
     def load_report(self) -> dict:
-        """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class,
-        queued and running counts, KV usage, the cost coefficients in use and the model's dtype."""
+        """The engine's load as a router reads it: predicted prefill backlog (seconds) by length class
+        and in tokens per request, queued and running counts, KV usage, the cost coefficients in use
+        and the model's dtype."""
         backlog = {"short": 0.0, "long": 0.0}
+        backlog_tokens: list[tuple[int, int]] = []  # (to prefill, in the cache) per request
         queued = {"short": 0, "long": 0}
         running = {"short": 0, "long": 0}
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -462,6 +464,8 @@ class LLMEngine:
             # turn of a conversation away from the cache that holds its history.
             computed = max(req.num_computed_tokens, req.num_prompt_tokens - req.uncached_estimate)
             backlog[cls] += prefill_left(self.cost, req.num_prompt_tokens, computed)
+            if req.num_prompt_tokens > computed:
+                backlog_tokens.append((req.num_prompt_tokens - computed, computed))
             (running if req.block_table else queued)[cls] += 1
         for (
             held
@@ -471,6 +475,8 @@ class LLMEngine:
         kv = self.allocator
         return {
             "backlog_s": backlog,
+            # the same work in tokens, for a router that prices it by a cost model of its own
+            "backlog_tokens": backlog_tokens,
             "queued": queued,
             "running": running,
             "num_requests": sum(queued.values()) + sum(running.values()),

@@ -6,7 +6,8 @@
   endpoints) is checked with ``GET /v1/models`` instead. A worker back from unhealthy starts with a
   closed circuit breaker.
 * **Load**: ``GET /load`` every ``load_interval_s`` on workers in rotation (plaserve workers); the
-  report reconciles the router's virtual backlog (:mod:`plaserve.router.workers`) and may carry the
+  report reconciles the router's virtual backlog (:mod:`plaserve.router.workers`), priced by the
+  router's cost model where it lists its requests' tokens (``backlog_tokens``), and may carry the
   worker's cost model and short threshold. A worker that answers 404 or 405 has no ``/load`` and is
   not asked again until it is probed again (added anew, or back from unhealthy): the router's own
   accounting alone prices it.
@@ -46,6 +47,24 @@ def parse_backlog(load: Any) -> tuple[float, int | None] | None:
         return None
     n = load.get("num_requests")
     return max(0.0, total), n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def parse_backlog_tokens(load: dict[str, Any]) -> list[tuple[int, int]] | None:
+    """``backlog_tokens`` of a ``/load`` JSON: (tokens to prefill, tokens in the cache) per request, or
+    None where absent or malformed (other servers do not report it)."""
+    items = load.get("backlog_tokens")
+    if not isinstance(items, list):
+        return None
+    pairs = []
+    for item in items:
+        if not (
+            isinstance(item, (list, tuple))
+            and len(item) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)
+        ):
+            return None
+        pairs.append((item[0], item[1]))
+    return pairs
 
 
 def parse_age(load: dict[str, Any]) -> float:
@@ -139,13 +158,19 @@ class WorkerMonitor:
             return
         backlog, n = parse_backlog(body)  # type: ignore[misc]
         worker.supports_load = True
+        received = self._clock()
+        self._on_load(worker, body)  # first: it may make the worker's own model the router's
+        tokens = parse_backlog_tokens(body)
+        if tokens is not None:
+            # In the router's units: a profile prices every worker alike, while each worker's
+            # backlog_s is in its own model's (fitted at its start, refitted as it runs).
+            backlog = sum(worker.cost_model.prefill_time(new, cached) for new, cached in tokens)
         # The report describes the worker as it was ``age_s`` before it answered (plaserve publishes
         # its state as each step starts): date it back, so the backlog drains from then and requests
         # sent since then count as not in it.
         age = parse_age(body)
-        worker.load = LoadReport(backlog, sent - age, self._clock() - age, n)
+        worker.load = LoadReport(backlog, sent - age, received - age, n)
         worker.response_prefix = parse_response_prefix(body)
-        self._on_load(worker, body)
 
     def record_check(self, worker: Worker, ok: bool) -> bool:
         """Count one check result; returns whether the worker entered or left the rotation."""

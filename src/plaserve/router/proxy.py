@@ -199,17 +199,15 @@ class Router:
         self.dispatcher.wake()
 
     def _on_load(self, worker: Worker, load: dict[str, Any]) -> None:
-        """Adopt what a worker's ``/load`` says about its cost model and short threshold (its model is
-        kept in any case: its reported backlog is priced by it).
+        """Adopt what a worker's ``/load`` says about its cost model and short threshold.
 
         Without a profile, a worker that reports a cost model is priced by it; workers that report
         none (no ``/load``) are priced by the last model any worker reported, taking the cluster as
         uniform, rather than by the default: mixing the two would make them look several times
         cheaper or dearer than their peers.
         """
-        model = cost_model_from_dict(load.get("cost_model"), source="worker")
-        worker.reported_cost_model = model
         if self._profile_cost is None:
+            model = cost_model_from_dict(load.get("cost_model"), source="worker")
             if model is not None:
                 worker.cost_model, worker.reports_cost = model, True
                 if self._shared_cost != model:

@@ -20,8 +20,7 @@ cost model) that stands between a new request and its first token there:
       B_k(now) = max(0, backlog_s - max(now - received, done)) + sum(cost of waiting requests dispatched after sent)
 
   where ``done`` sums the costs of the requests the report contains (dispatched before ``sent``) whose
-  first token has come back since, priced as the worker's own cost model prices them: a finished
-  prefill is work the worker has certainly done, however little time passed (without it a report
+  first token has come back since: a finished prefill is work the worker has certainly done, however little time passed (without it a report
   taken while the previous turn of a conversation waited would keep that turn's cost on the worker
   after its answer, and steer the next turn away from the cache that holds its history). A request
   dispatched at the very instant of ``sent`` counts as unseen: counting it twice is the safe error.
@@ -49,7 +48,6 @@ class InFlight:
     tokens: int  # prompt tokens (all prompts of the request)
     length_class: str
     dispatched: float  # router clock
-    reported_cost: float  # ``cost`` as the worker's own load reports price it
     prefill_done: bool = False  # first token seen
 
 
@@ -84,9 +82,6 @@ class Worker:
             cost_model  # the model that prices requests here (see plaserve.router.costs)
         )
         self.reports_cost = False  # the cost model is the worker's own, from its /load
-        # the worker's own model as its /load reports it, which prices the backlog there; it differs
-        # from ``cost_model`` when a profile prices every worker
-        self.reported_cost_model: CostModel | None = None
         self.breaker = CircuitBreaker(breaker)
         self.healthy = healthy
         self.removed = False  # deleted by the operator: no new requests; those in flight finish
@@ -176,13 +171,10 @@ class Worker:
         prompt: PromptKey | None = None,
     ) -> None:
         """A request was dispatched here (its ``prompt`` is remembered as cached here from now)."""
-        cached = 0
         if prompt is not None:
-            cached = self.prefixes.cached_tokens(prompt, tokens)
-            self.cached_tokens_total += cached
+            self.cached_tokens_total += self.prefixes.cached_tokens(prompt, tokens)
             self.prefixes.add(prompt)
-        reported = self._in_reported_units(cost, tokens, cached)
-        self.inflight[rid] = InFlight(cost, tokens, length_class, now, reported)
+        self.inflight[rid] = InFlight(cost, tokens, length_class, now)
         self.requests_total += 1
         self.work_total += cost
         self.breaker.on_dispatch(now)
@@ -194,15 +186,7 @@ class Worker:
             return
         entry.prefill_done = True
         if self._load is not None and entry.dispatched < self._load.sent:
-            self._load_done += entry.reported_cost
-
-    def _in_reported_units(self, cost: float, tokens: int, cached: int) -> float:
-        """``cost`` rescaled from ``cost_model`` to the model the worker's reports price by."""
-        own = self.reported_cost_model
-        if own is None or own == self.cost_model or cost == 0:
-            return cost
-        ours = self.cost_model.prefill_time(tokens - cached, cached)
-        return cost * own.prefill_time(tokens - cached, cached) / ours if ours > 0 else cost
+            self._load_done += entry.cost
 
     def finish(self, rid: int, ok: bool, now: float, *, worker_fault: bool | None = None) -> None:
         """The request left this worker. ``worker_fault`` (default: not ``ok``) feeds the breaker;
