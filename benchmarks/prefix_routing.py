@@ -12,7 +12,7 @@ Setup, all on loopback, one run alone on the machine:
   each replay (``POST /reset_prefix_cache``).
 * **router**: ``plaserve route`` in front of them, one run per configuration: ``pla`` (prefix-aware,
   the default), ``pla --no-prefix-aware`` (each request priced by its whole prompt, as before), and
-  ``round_robin``.
+  ``round_robin`` (``--router-args``: more flags for all three, such as a ``--profile``).
 * **load**: ``--sessions`` conversations, each over a document of its own (``--doc-tokens`` words of
   the checkpoint's vocabulary) and ``--turns`` turns: a question of ``--question-tokens`` words, the
   answer streamed (``--max-tokens``), then the next question with the whole history, as chat clients
@@ -186,7 +186,7 @@ def run_configs(
                 reset = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
                 if not reset.json().get("success"):
                     raise RuntimeError(f"{url} did not empty its prefix cache: {reset.text}")
-            with RouterProcess(urls, flags) as router:
+            with RouterProcess(urls, [*flags, *shlex.split(args.router_args)]) as router:
                 turns, wall = asyncio.run(replay(router.url, plan, args.max_tokens))
                 state = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
             row = summary(turns, wall, [w["requests_total"] for w in state])
@@ -214,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("plaserve", "vllm"), default="plaserve")
     p.add_argument(
         "--worker-args", default="", help="more flags for both plaserve workers' `serve`, quoted"
+    )
+    p.add_argument(
+        "--router-args",
+        default="",
+        help="more flags for every configuration's `plaserve route`, quoted (e.g. a --profile)",
     )
     p.add_argument(
         "--vllm-venv",
