@@ -20,10 +20,11 @@ cost model) that stands between a new request and its first token there:
       B_k(now) = max(0, backlog_s - max(now - received, done)) + sum(cost of waiting requests dispatched after sent)
 
   where ``done`` sums the costs of the requests the report contains (dispatched before ``sent``) whose
-  first token has come back since: a finished prefill is work the worker has certainly done, however little time passed (without it a report
-  taken while the previous turn of a conversation waited would keep that turn's cost on the worker
-  after its answer, and steer the next turn away from the cache that holds its history). A request
-  dispatched at the very instant of ``sent`` counts as unseen: counting it twice is the safe error.
+  first token has come back since: a finished prefill is work the worker has certainly done, however
+  little time passed (without it a report taken while the previous turn of a conversation waited
+  would keep that turn's cost on the worker after its answer, and steer the next turn away from the
+  cache that holds its history). A request dispatched at the very instant of ``sent`` counts as
+  unseen: counting it twice is the safe error.
   A report older than ``load_stale_s`` is ignored and the router's accounting is used alone, as for
   backends without ``/load``.
 """
