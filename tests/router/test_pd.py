@@ -195,6 +195,8 @@ WEATHER = {
     "required": ["city"],
 }
 CASES = [
+    # The decode worker's request finishes on the prefill's first token (it has nothing to decode).
+    ("/v1/completions", {"prompt": "Just one token", "max_tokens": 1}),
     ("/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 12}),
     ("/v1/completions", {"prompt": LONG, "max_tokens": 8}),
     (
@@ -373,6 +375,11 @@ def test_router_pd_equals_colocated_with_the_openai_client(
             for c in chunk.choices:
                 parts[c.index] = parts.get(c.index, "") + c.text
         assert [parts[i] for i in sorted(parts)] == ref
+    # one token: the prefill's is the whole answer, and the decode leg must still end
+    kw = {"model": "qwen20", "prompt": "Only one", "max_tokens": 1, "temperature": 0}
+    ref = [c.text for c in ref_client.completions.create(**kw).choices]
+    assert [c.text for c in client.completions.create(**kw).choices] == ref
+    assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == ref[0]
     messages = [{"role": "user", "content": "Tell me about foxes"}]
     ref = ref_client.chat.completions.create(
         model="qwen20", messages=messages, max_tokens=8, temperature=0

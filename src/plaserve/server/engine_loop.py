@@ -441,7 +441,9 @@ class EngineLoop:
         """Engine thread only: follow ``req``, a request put into the engine directly (not through
         :meth:`submit`), and deliver its output so far (it may have its first token already)."""
         self._tracked[req.request_id] = _Tracked(req, sink)
-        self._deliver(RequestOutput.of(req), self.clock())
+        # It may have finished on that token (``max_tokens`` 1, a stop token): then nothing else will.
+        if (item := self._deliver(RequestOutput.of(req), self.clock())) is not None:
+            deliver([item])
 
     # --- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
