@@ -10,6 +10,10 @@ mixed prompts, and lone short prompts sent one at a time (one output token each:
 prompt's TTFT pays on an idle server), as HTTP / offline ratios (1.0 = no cost).
 
     PYTHONPATH=src .venv/bin/python benchmarks/http_overhead.py [--dtype bfloat16] [--out out/http.json]
+        [--stream-interval N]
+
+``--stream-interval N`` adds a column: the thread-mode server streaming every N tokens (the request's
+``stream_interval``), for the cases with more than one output token.
 
 Same engine settings on both sides (``--policy fcfs``: no batch window, so the two see the same
 batches; no prefix caching, since each case runs several times); the run prints the load average
@@ -86,7 +90,7 @@ def offline(engine: LLMEngine, case: Case) -> float:
     return time.perf_counter() - start
 
 
-async def over_http(url: str, case: Case, stream: bool) -> float:
+async def over_http(url: str, case: Case, stream: bool, interval: int | None = None) -> float:
     async def one(session: aiohttp.ClientSession, prompt: list[int]) -> None:
         body = {
             "prompt": prompt,
@@ -94,6 +98,7 @@ async def over_http(url: str, case: Case, stream: bool) -> float:
             "temperature": 0,
             "ignore_eos": True,
             "stream": stream,
+            **({} if interval is None else {"stream_interval": interval}),
         }
         async with session.post(f"{url}/v1/completions", json=body) as r:
             data = await r.read()
@@ -124,7 +129,9 @@ def main() -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--reps", type=int, default=3, help="best of this many runs per case and side")
     p.add_argument("--out", default=None)
+    p.add_argument("--stream-interval", type=int, default=None, help="also stream every N tokens")
     args = p.parse_args()
+    every = args.stream_interval
     load_before = os.getloadavg()[0]
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_args(args.dtype)))
     engine.warm_up()
@@ -150,6 +157,8 @@ def main() -> int:
                 asyncio.run(over_http(url, case, True))
             offline(engine, case)
             best = {"offline": 1e9, "stream": 1e9, "whole": 1e9, "thread_stream": 1e9}
+            if every is not None and case.max_tokens > 1:
+                best["thread_every"] = 1e9
             for _ in range(args.reps):  # interleaved, so every side sees the same background load
                 best["offline"] = min(best["offline"], offline(engine, case))
                 best["stream"] = min(best["stream"], asyncio.run(over_http(server.url, case, True)))
@@ -157,6 +166,11 @@ def main() -> int:
                 best["thread_stream"] = min(
                     best["thread_stream"], asyncio.run(over_http(threaded.url, case, True))
                 )
+                if "thread_every" in best:
+                    best["thread_every"] = min(
+                        best["thread_every"],
+                        asyncio.run(over_http(threaded.url, case, True, every)),
+                    )
             rows.append(
                 {
                     "case": case.name,
@@ -167,16 +181,20 @@ def main() -> int:
             )
             print(f"{case.name}: {best}", file=sys.stderr, flush=True)
     print(f"dtype {engine.dtype}, load average {load_before:.2f} -> {os.getloadavg()[0]:.2f}\n")
+    extra = "" if every is None else f" engine thread, every {every} tokens / offline |"
     print(
         "| case | offline s | HTTP streamed s | HTTP whole s | streamed / offline | whole / offline | "
-        "engine thread: streamed / offline | offline tok/s | streamed tok/s |"
+        f"engine thread: streamed / offline |{extra} offline tok/s | streamed tok/s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (9 + (every is not None)) + "|")
     for r in rows:
+        cell = ""  # the every-N column: its ratio, or "-" for one-token cases
+        if every is not None:
+            cell = f" {r['thread_every'] / r['offline']:.2f} |" if "thread_every" in r else " - |"
         print(
             f"| {r['case']} | {r['offline']:.3f} | {r['stream']:.3f} | {r['whole']:.3f} | "
             f"{r['stream'] / r['offline']:.2f} | {r['whole'] / r['offline']:.2f} | "
-            f"{r['thread_stream'] / r['offline']:.2f} | "
+            f"{r['thread_stream'] / r['offline']:.2f} |{cell} "
             f"{rate(r, r['offline'])} | {rate(r, r['stream'])} |"
         )
     if args.out:

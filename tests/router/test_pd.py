@@ -379,7 +379,9 @@ def test_router_pd_equals_colocated_with_the_openai_client(
     kw = {"model": "qwen20", "prompt": "Only one", "max_tokens": 1, "temperature": 0}
     ref = [c.text for c in ref_client.completions.create(**kw).choices]
     assert [c.text for c in client.completions.create(**kw).choices] == ref
-    assert "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == ref[0]
+    assert (
+        "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True)) == ref[0]
+    )
     messages = [{"role": "user", "content": "Tell me about foxes"}]
     ref = ref_client.chat.completions.create(
         model="qwen20", messages=messages, max_tokens=8, temperature=0

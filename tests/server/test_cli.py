@@ -22,6 +22,11 @@ def test_max_queue_must_be_positive(capsys: pytest.CaptureFixture) -> None:
     assert "--max-queue" in capsys.readouterr().err
 
 
+def test_stream_interval_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "--stream-interval", "0"]) == 2
+    assert "--stream-interval" in capsys.readouterr().err
+
+
 def serve_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

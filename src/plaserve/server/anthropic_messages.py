@@ -284,7 +284,9 @@ class MessagesRoutes:
         ids, params = self._chat_prompt(req, sampling)
         mid = new_id()
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
-        gen = await self._start(kvp, mid, [ids], params, 1)
+        gen = await self._start(
+            kvp, mid, [ids], params, 1, self._interval(req.stream, req.stream_options)
+        )
         if req.stream:
             events = EventStream()
             stream = self._stream_message(gen, events, mid, len(ids), sampling, parser)

@@ -101,6 +101,7 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         tool_parser: ToolParser | None = None,
         sampling_defaults: dict[str, Any] | None = None,
         response_store: ResponseStore | None = None,
+        stream_interval: int = 1,
     ) -> None:
         facts = engine_loop.facts
         self.pd = pd
@@ -111,6 +112,7 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         # max_new_tokens caps the max_tokens an endpoint picks by itself
         self.sampling_defaults = dict(sampling_defaults or {})
         self.default_max_tokens: int | None = self.sampling_defaults.pop("max_tokens", None)
+        self.stream_interval = stream_interval
         self.tool_parser = tool_parser  # --tool-call-parser with --enable-auto-tool-choice
         # Text an end-of-sequence token decodes to: cut from answers whose special tokens are kept
         # for their tool-call parser.
@@ -224,20 +226,33 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         check_pd_request(kvp, num_prompts, sampling, stream)
         return kvp
 
+    def _interval(self, stream: bool, options: StreamOptions) -> int:
+        """Tokens per output the engine loop hands this request's handler: the server's
+        ``--stream-interval``, raised to the request's own; 0 (the end only) for an answer sent
+        whole."""
+        return max(self.stream_interval, options.interval or 1) if stream else 0
+
     async def _start(
-        self, kvp: Any, rid: str, prompts: list[list[int]], params: list[SamplingParams], n: int
+        self,
+        kvp: Any,
+        rid: str,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        n: int,
+        interval: int,
     ) -> Generation:
-        """Submit the engine requests, or pull a remote prefill's KV and start them from it."""
+        """Submit the engine requests, or pull a remote prefill's KV and start them from it;
+        ``interval``: :attr:`~plaserve.server.engine_loop.Submission.stream_interval`."""
         if kvp is not None and kvp.do_remote_prefill:
             assert self.pd is not None
-            return await self.pd.import_generation(rid, prompts[0], params, kvp)
+            return await self.pd.import_generation(rid, prompts[0], params, kvp, interval)
         if kvp is None:
-            return Generation.submit(self.loop, rid, prompts, params, n)
+            return Generation.submit(self.loop, rid, prompts, params, n, interval)
         # a prefill for a remote decode: its first choice parks its blocks
         assert self.pd is not None
         self.pd.hold(f"{rid}-0")
         try:
-            return Generation.submit(self.loop, rid, prompts, params, n)
+            return Generation.submit(self.loop, rid, prompts, params, n, interval)
         except ApiError:
             self.pd.forget(f"{rid}-0")
             raise
@@ -279,7 +294,8 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
             else None
         )
         kvp = self._kv_params(body, len(req.prompts), req.sampling, req.stream)
-        gen = await self._start(kvp, rid, prompts, params, req.sampling.n)
+        interval = self._interval(req.stream, req.stream_options)
+        gen = await self._start(kvp, rid, prompts, params, req.sampling.n, interval)
         if req.stream:
             return EventStreamResponse(
                 self._stream_completion(gen, rid, req.stream_options, req.sampling, echo)
@@ -358,7 +374,8 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         ids, params = self._chat_prompt(req, sampling)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
-        gen = await self._start(kvp, rid, [ids] * req.sampling.n, params, req.sampling.n)
+        interval = self._interval(req.stream, req.stream_options)
+        gen = await self._start(kvp, rid, [ids] * req.sampling.n, params, req.sampling.n, interval)
         if req.stream:
             return EventStreamResponse(
                 self._stream_chat(gen, rid, req.stream_options, req.sampling, parser)
@@ -665,6 +682,7 @@ def build_app(
     tool_parser: str | None = None,
     sampling_defaults: dict[str, Any] | None = None,
     response_store_bytes: int = 0,
+    stream_interval: int = 1,
 ) -> ErrorGuard:
     """The ASGI app around ``engine_loop`` (Starlette inside :class:`ErrorGuard`); it starts the loop
     on startup and stops it on shutdown. ``pd``: this worker's part in prefill/decode disaggregation
@@ -672,11 +690,14 @@ def build_app(
     ``--tool-call-parser`` that reads ``tool_choice: "auto"`` answers (None: such requests get a 400).
     ``sampling_defaults``: the model's defaults for the sampling fields a request leaves out
     (``--generation-config``). ``response_store_bytes``: how much of its finished Responses
-    ``/v1/responses`` keeps for ``GET`` and ``previous_response_id`` (0: none)."""
+    ``/v1/responses`` keeps for ``GET`` and ``previous_response_id`` (0: none). ``stream_interval``:
+    tokens per streamed chunk (``--stream-interval``; a request's own may raise it)."""
     parser = PARSERS[tool_parser]() if tool_parser is not None else None
     name = served_model_name or engine_loop.model_name
     store = ResponseStore(response_store_bytes)
-    h = _Handlers(engine_loop, name, http_limits, pd, parser, sampling_defaults, store)
+    h = _Handlers(
+        engine_loop, name, http_limits, pd, parser, sampling_defaults, store, stream_interval
+    )
     count_error: Callable[[int], None] = engine_loop.count_error
 
     async def on_api_error(request: Request, exc: Exception) -> Response:

@@ -174,6 +174,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     http.add_argument(
         "--max-body-size", default="32MiB", help="largest request body, e.g. 32MiB (default)"
     )
+    http.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk (default 1: every token as it comes); the first token and "
+        "the end go out at once. Larger values spend less CPU per token on the HTTP side (vLLM's "
+        "flag; a request's own stream_interval may raise it)",
+    )
     pd = p.add_argument_group(
         "prefill/decode disaggregation", "this worker's role in a PD cluster (docs/PD.md)"
     )
@@ -278,7 +286,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def http_limits_from_args(args: argparse.Namespace) -> "HttpLimits":
-    """The :class:`HttpLimits` the flags describe; ValueError for a limit that is not positive."""
+    """The :class:`HttpLimits` the flags describe; ValueError for a limit that is not positive (or a
+    ``--stream-interval`` below 1)."""
     from plaserve.engine.kv_cache import parse_memory
     from plaserve.server.app import HttpLimits
 
@@ -290,6 +299,8 @@ def http_limits_from_args(args: argparse.Namespace) -> "HttpLimits":
     size = parse_memory(args.max_body_size, 0)
     if size < 1:
         raise ValueError(f"--max-body-size must be positive (got {args.max_body_size})")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be at least 1 (got {args.stream_interval})")
     return HttpLimits(max_body_bytes=size, body_timeout=args.body_timeout)
 
 
@@ -447,6 +458,7 @@ def run_serve(args: argparse.Namespace) -> int:
         tool_parser=tool_parser,
         sampling_defaults=sampling_defaults,
         response_store_bytes=int(args.response_store_mib * 2**20),
+        stream_interval=args.stream_interval,
     )
     if facts.random_weights:
         print(

@@ -106,6 +106,10 @@ class Submission:
 
     ``after``: the id of the first choice of the same prompt, for the engine to hold this one until
     that one's prompt blocks are cached (see ``LLMEngine.add_request``).
+
+    ``stream_interval``: hand an output to the sink every this many new tokens (the first token and
+    the end always at once; an output holds everything so far, so skipped ones lose nothing); 0: only
+    the final output, for a handler that waits for it.
     """
 
     request_id: str
@@ -114,6 +118,7 @@ class Submission:
     arrival_time: float
     sink: OutputSink
     after: str | None = None
+    stream_interval: int = 1
 
 
 @dataclass
@@ -241,9 +246,19 @@ class _Tracked:
 
     request: Request
     sink: OutputSink
+    stream_interval: int = 1  # Submission.stream_interval
     length_class: str | None = None
     tokens_seen: int = 0
     last_token_time: float = 0.0
+    tokens_sent: int = 0  # tokens of the last output handed to the sink
+
+    def due(self, out: RequestOutput, tokens: int) -> bool:
+        """Whether ``out`` (of ``tokens`` tokens) goes to the sink now (see ``stream_interval``)."""
+        if out.finished or self.stream_interval == 1:
+            return True
+        if self.stream_interval == 0:
+            return False
+        return (self.tokens_sent == 0 < tokens) or tokens - self.tokens_sent >= self.stream_interval
 
 
 class EngineLoop:
@@ -437,10 +452,11 @@ class EngineLoop:
         """The Prometheus exposition of :attr:`metrics`."""
         return self.metrics.render()
 
-    def adopt(self, req: Request, sink: OutputSink) -> None:
+    def adopt(self, req: Request, sink: OutputSink, stream_interval: int = 1) -> None:
         """Engine thread only: follow ``req``, a request put into the engine directly (not through
-        :meth:`submit`), and deliver its output so far (it may have its first token already)."""
-        self._tracked[req.request_id] = _Tracked(req, sink)
+        :meth:`submit`), and deliver its output so far (it may have its first token already);
+        ``stream_interval`` as :attr:`Submission.stream_interval`."""
+        self._tracked[req.request_id] = _Tracked(req, sink, stream_interval)
         # It may have finished on that token (``max_tokens`` 1, a stop token): then nothing else will.
         if (item := self._deliver(RequestOutput.of(req), self.clock())) is not None:
             deliver([item])
@@ -560,7 +576,7 @@ class EngineLoop:
         except ValueError as e:  # validated on the HTTP side already; this is the safety net
             sub.sink.put(e)
             return
-        self._tracked[req.request_id] = _Tracked(req, sub.sink)
+        self._tracked[req.request_id] = _Tracked(req, sub.sink, sub.stream_interval)
 
     def _run_call(self, call: _Call) -> None:
         try:
@@ -604,7 +620,8 @@ class EngineLoop:
                     self._cond.wait(min(delay, self.max_idle_wait))
 
     def _deliver(self, out: RequestOutput, now: float) -> tuple[OutputSink, RequestOutput] | None:
-        """Record ``out`` in the metrics; where it goes (None: a request the loop no longer tracks)."""
+        """Record ``out`` in the metrics; where it goes (None: a request the loop no longer tracks, or
+        an output its stream interval skips)."""
         tracked = self._tracked.get(out.request_id)
         if tracked is None:
             return None
@@ -633,6 +650,9 @@ class EngineLoop:
                 times=m,
                 max_tokens=tracked.request.params.max_tokens,
             )
+        if not tracked.due(out, n):
+            return None
+        tracked.tokens_sent = n
         return tracked.sink, out
 
     def _fail_all(self, error: BaseException, reason: str = "abort") -> None:

@@ -9,7 +9,8 @@ so no OpenMP or torch state is inherited) and offers the HTTP handlers the same
 
 One pipe carries pickled messages both ways:
 
-* server -> engine: ``("submit", [(request_id, prompt_token_ids, params, arrival_time, after)])``,
+* server -> engine: ``("submit", [(request_id, prompt_token_ids, params, arrival_time, after,
+  stream_interval)])``,
   ``("abort", request_id)``, ``("metrics", n)``, ``("reset_prefix_cache", n)``, ``("count_error",
   status)``, ``("stop",)``;
 * engine -> server: ``("ready", facts, snapshot)`` or ``("failed", error)`` once built; then
@@ -149,7 +150,14 @@ class EngineProcess:
                 )
             self._num_sent += len(submissions)
             wire = [
-                (s.request_id, s.prompt_token_ids, s.params, s.arrival_time, s.after)
+                (
+                    s.request_id,
+                    s.prompt_token_ids,
+                    s.params,
+                    s.arrival_time,
+                    s.after,
+                    s.stream_interval,
+                )
                 for s in submissions
             ]
             if not self._send(("submit", wire)):
@@ -482,9 +490,9 @@ def _take_commands(conn: Connection, loop: EngineLoop, outbox: _PipeOutbox) -> N
         if kind == "submit":
             subs = [
                 Submission(
-                    rid, ids, params, arrival, OutputSink.into(outbox, _Sent(rid)), after=after
+                    rid, ids, params, arrival, OutputSink.into(outbox, _Sent(rid)), after, interval
                 )
-                for rid, ids, params, arrival, after in msg[1]
+                for rid, ids, params, arrival, after, interval in msg[1]
             ]
             try:
                 loop.submit(subs)

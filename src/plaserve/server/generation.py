@@ -51,10 +51,12 @@ class Generation:
         prompts: list[list[int]],
         params: list[SamplingParams],
         n: int = 1,
+        stream_interval: int = 1,
     ) -> "Generation":
         """Queue one engine request per prompt (ids ``{request_id}-{i}``), where each run of ``n``
         consecutive prompts is one prompt's choices; 429 when the queue is full, 503 when the engine is
-        not running, 400 for more requests than the queue can hold.
+        not running, 400 for more requests than the queue can hold. ``stream_interval``: see
+        :attr:`~plaserve.server.engine_loop.Submission.stream_interval`.
 
         A prompt's other choices name its first (``Submission.after``): the engine holds them until
         that one's prompt blocks are cached, where that pays."""
@@ -67,7 +69,13 @@ class Generation:
 
         subs = [
             Submission(
-                f"{request_id}-{i}", ids, p, arrival, OutputSink(loop, queue, i), after=leader(i)
+                f"{request_id}-{i}",
+                ids,
+                p,
+                arrival,
+                OutputSink(loop, queue, i),
+                leader(i),
+                stream_interval,
             )
             for i, (ids, p) in enumerate(zip(prompts, params))
         ]

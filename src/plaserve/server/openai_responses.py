@@ -478,8 +478,8 @@ class ResponsesRoutes:
     """The Responses API's routes: ``POST /v1/responses`` (whole, streamed or in the background) and
     the kept Responses' ``GET``, ``DELETE``, input items and ``cancel``. Mixed into the server's
     handlers (:mod:`plaserve.server.app`), whose chat path runs them (``_chat_tools``,
-    ``_chat_prompt``, ``_start``, ``_wait``, ``_pieces``, ``_guarded``) and whose ``store`` keeps
-    them."""
+    ``_chat_prompt``, ``_interval``, ``_start``, ``_wait``, ``_pieces``, ``_guarded``) and whose
+    ``store`` keeps them."""
 
     store: ResponseStore
     _background: dict[str, Background]  # background Responses still generating, by id
@@ -511,7 +511,9 @@ class ResponsesRoutes:
                 "to a server that keeps Responses",
                 param="background",
             )
-        gen = await self._start(kvp, rid, [ids], params, 1)
+        # a background Response is kept in progress from its first output: it follows the outputs
+        interval = self._interval(req.stream or background, req.stream_options)
+        gen = await self._start(kvp, rid, [ids], params, 1, interval)
         created = int(time.time())
         if background:
             queued = response(rid, created, self.model_name, body, status="queued", stored=True)

@@ -208,8 +208,10 @@ class PDWorker:
         prompt: list[int],
         params: list[SamplingParams],
         kvp: KVTransferParams,
+        stream_interval: int = 1,
     ) -> Generation:
-        """Pull a remote prefill's KV and start its choices here (one per entry of ``params``)."""
+        """Pull a remote prefill's KV and start its choices here (one per entry of ``params``);
+        ``stream_interval`` as :attr:`~plaserve.server.engine_loop.Submission.stream_interval`."""
         if kvp.num_prompt_tokens != len(prompt):
             raise ApiError(
                 400,
@@ -263,7 +265,14 @@ class PDWorker:
             aloop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             subs = [
-                Submission(f"{request_id}-{i}", prompt, p, arrival, OutputSink(aloop, queue, i))
+                Submission(
+                    f"{request_id}-{i}",
+                    prompt,
+                    p,
+                    arrival,
+                    OutputSink(aloop, queue, i),
+                    stream_interval=stream_interval,
+                )
                 for i, p in enumerate(params)
             ]
 
@@ -274,7 +283,7 @@ class PDWorker:
                     arrival,
                 )
                 for req, sub in zip(reqs, subs):
-                    loop.adopt(req, sub.sink)
+                    loop.adopt(req, sub.sink, sub.stream_interval)
 
             try:
                 await self.loop.call(admit)

@@ -43,6 +43,8 @@ class StreamOptions:
     continuous_usage_stats: bool = (
         False  # vLLM's: every chunk with choices carries the usage so far
     )
+    # vLLM's top-level ``stream_interval``: tokens per chunk, raising the server's (None: the server's)
+    interval: int | None = None
 
 
 @dataclass(frozen=True)
@@ -286,11 +288,17 @@ def parse_sampling(
 
 
 def _parse_stream(body: dict) -> tuple[bool, StreamOptions]:
-    """``stream`` and its ``stream_options``."""
+    """``stream``, its ``stream_options`` and ``stream_interval`` (ignored when not streaming, as
+    vLLM ignores it)."""
     stream = _opt_bool(body, "stream", False)
+    interval = _opt_int(body, "stream_interval")
+    if interval is not None and interval < 1:
+        raise ApiError(
+            400, f"stream_interval must be at least 1, got {interval}", param="stream_interval"
+        )
     options = body.get("stream_options")
     if options is None:
-        return stream, StreamOptions()
+        return stream, StreamOptions(interval=interval if stream else None)
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
     if not stream:
@@ -300,6 +308,7 @@ def _parse_stream(body: dict) -> tuple[bool, StreamOptions]:
     return stream, StreamOptions(
         include_usage=_opt_bool(options, "include_usage", False),
         continuous_usage_stats=_opt_bool(options, "continuous_usage_stats", False),
+        interval=interval,
     )
 
 
