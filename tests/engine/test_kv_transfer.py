@@ -119,3 +119,41 @@ def test_a_reservation_without_room_is_refused_and_cancel_frees(llama_ckpt) -> N
         dst.kv_handoff.cancel(res)
         dst.kv_handoff.cancel(res)  # idempotent
     assert dst.allocator.num_used_blocks == 0
+
+
+def test_imported_requests_preempted_for_room_are_recomputed(llama_ckpt) -> None:
+    """A decode engine short of blocks preempts requests whose prefill ran elsewhere; pla queues them
+    by their deadlines, so they must carry a TTFT SLO as requests that arrived here do (they had none,
+    and the engine failed on its next decision)."""
+    src, ref = make_engine(llama_ckpt), make_engine(llama_ckpt)
+    dst = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=llama_ckpt, dtype="float32", kv_cache_memory="96KiB", max_model_len=128
+        )
+    )
+    assert dst.config.scheduler.policy == "pla" and dst.allocator.num_free_blocks == 12
+    # 3 blocks each to begin with; at 68 tokens each needs 5, and the cache holds 12 in all
+    prompts = [prompt(44, 20 + i) for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    wants = []
+    for ids in prompts:
+        wants.append(ref.add_request(ids, params))
+    finish(ref)
+    got = []
+    for i, ids in enumerate(prompts):
+        src.kv_handoff.hold(f"p{i}")
+        first = src.add_request(ids, FIRST, request_id=f"p{i}")
+        finish(src)
+        res = dst.kv_handoff.reserve(ids, 1)
+        blocks = src.kv_handoff.parked_blocks(f"p{i}", len(res.cached))
+        for layer in range(len(src.kv_handoff.kv_caches)):
+            dst.kv_handoff.write_layer(layer, res.fresh, *src.kv_handoff.read_layer(layer, blocks))
+        src.kv_handoff.release(f"p{i}")
+        (req,) = dst.kv_handoff.admit(
+            res, [(f"d{i}", params, first.output_token_ids[0])], arrival_time=dst.clock()
+        )
+        got.append(req)
+    finish(dst)
+    assert sum(r.metrics.num_preemptions for r in got) > 0
+    assert [r.output_token_ids for r in got] == [w.output_token_ids for w in wants]
+    assert dst.allocator.num_used_blocks == 0

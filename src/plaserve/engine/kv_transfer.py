@@ -268,8 +268,11 @@ class KVHandoff:
             req.num_committed_blocks = num_full
             req.metrics.num_cached_tokens = n
             req.metrics.first_scheduled_time = now
+            # Classed and given its SLO as the prompt it was on the prefill worker: preempted here,
+            # it waits in the queues like any request (pla orders them by deadline). Nothing of it
+            # is left to compute.
+            eng.scheduler.classify(req, n)
             req.uncached_estimate = 0
-            req.length_class = "short" if n < eng.config.scheduler.short_threshold else "long"
             req.status = RequestStatus.RUNNING
             eng.scheduler.running.append(req)
             eng.requests[rid] = req

@@ -72,10 +72,15 @@ class Scheduler:
         uncached = req.num_prompt_tokens - self.kv.peek_prefix(
             req.token_ids[: req.num_reusable_tokens]
         )
+        self.classify(req, uncached)
+        self.waiting.append(req)
+
+    def classify(self, req: Request, uncached: int) -> None:
+        """Set what the policies read of a request with ``uncached`` prompt tokens to compute: that
+        estimate, its length class (short below ``short_threshold``) and its TTFT SLO."""
         req.uncached_estimate = uncached
         req.length_class = "short" if uncached < self.config.short_threshold else "long"
         req.ttft_slo = self.config.slo.ttft(self.cost, uncached)
-        self.waiting.append(req)
 
     def static_shapes(self) -> list[tuple[int, int]]:
         """The ``(batch, bucket)`` shapes the policy runs right-padded batches in: the static runners
