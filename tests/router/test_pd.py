@@ -351,6 +351,78 @@ def test_bad_kv_transfer_params_are_400s(prefill: Endpoint, decode: Endpoint) ->
     wait_blocks_zero(decode.url)
 
 
+def test_a_decode_worker_without_room_waits_while_the_kv_is_parked(qwen2_ckpt: str) -> None:
+    """A decode worker at its limit of sequences (one here) holds an import until a running request
+    ends, as vLLM's decode instance queues it, instead of refusing it; it answers 503 `kv_no_room` at
+    once only where the parked KV would expire first (ROOM_MARGIN_S, 1 s, before `expires_at`) or
+    where it could never hold the request. A client that leaves meanwhile ends its wait."""
+    path = "/v1/completions"
+    args = ["--kv-cache-memory", "16MiB", "--max-model-len", "2048", "--no-compile"]
+    with running(
+        ServerProcess([qwen2_ckpt, *args, "--pd-role", "prefill"]),  # the default TTL, 30 s
+        ServerProcess([qwen2_ckpt, *args, "--pd-role", "decode", "--max-num-seqs", "1"]),
+    ) as (pre, dec):
+        # A holds the decode worker's one sequence until the test lets it go.
+        body_a = {"prompt": "The quick brown fox", "max_tokens": 2000, "ignore_eos": True}
+        second_a = {**body_a, "kv_transfer_params": prefill_request(pre.url, path, body_a)}
+        release, ended = threading.Event(), {}
+
+        def run_a() -> None:
+            with httpx.stream("POST", dec.url + path, json={**second_a, "stream": True}) as r:
+                assert r.status_code == 200
+                for _ in r.iter_lines():
+                    if release.is_set():
+                        break
+            ended["a"] = time.monotonic()
+
+        a = threading.Thread(target=run_a)
+        a.start()
+        deadline = time.monotonic() + 30
+        while sum(load(dec.url)["running"].values()) == 0:
+            assert time.monotonic() < deadline and a.is_alive(), "A never ran"
+            time.sleep(0.01)
+        body_b = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        params_b = prefill_request(pre.url, path, body_b)
+        # B's KV about to expire: refused at once.
+        soon = {**params_b, "expires_at": time.time() + 0.5}
+        r = post(dec.url, path, {**body_b, "kv_transfer_params": soon})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "kv_no_room", r.text
+        # Two choices on a worker of one sequence: never, so at once.
+        body_n = {**body_b, "n": 2}
+        params_n = prefill_request(pre.url, path, body_n)
+        r = post(dec.url, path, {**body_n, "kv_transfer_params": params_n})
+        assert r.status_code == 503 and "can never hold" in r.json()["error"]["message"], r.text
+        # A client that gives up while its decode leg waits for room ends the wait: nothing pulled.
+        body_c = {"prompt": "A client that leaves", "max_tokens": 8, "temperature": 0}
+        params_c = prefill_request(pre.url, path, body_c)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(dec.url + path, json={**body_c, "kv_transfer_params": params_c}, timeout=0.5)
+        # B, with 30 s of parked life left, waits until A's client leaves, and is answered.
+        answer: dict[str, Any] = {}
+
+        def run_b() -> None:
+            answer["r"] = post(dec.url, path, {**body_b, "kv_transfer_params": params_b})
+            answer["at"] = time.monotonic()
+
+        b = threading.Thread(target=run_b)
+        b.start()
+        b.join(0.5)
+        assert b.is_alive() and a.is_alive(), "B did not wait for A's sequence"
+        release.set()
+        a.join(30)
+        b.join(30)
+        assert answer["r"].status_code == 200, answer["r"].text
+        assert ended["a"] <= answer["at"]
+        assert texts(path, answer["r"].json()) == texts(path, post(pre.url, path, body_b).json())
+        wait_blocks_zero(dec.url)
+        pulls = httpx.get(dec.url + "/metrics", timeout=10).text
+        assert metric(pulls, "plaserve_kv_transfer_seconds_count") == 2  # A's and B's
+        # The prefill worker holds only the KV never pulled (two choices, the client gone), parked
+        # until it expires.
+        unpulled = len(params_n["remote_block_ids"]) + len(params_c["remote_block_ids"])
+        assert load(pre.url)["kv"]["used_blocks"] == unpulled
+
+
 # --- through the router ----------------------------------------------------------------------------
 
 

@@ -37,6 +37,11 @@ class KVTransferError(Exception):
     """A request's KV cannot be exported or imported (unknown, expired, out of blocks, mismatched)."""
 
 
+class KVNoRoomError(KVTransferError):
+    """An import for which this engine has not the blocks or the sequences free now: its running
+    requests will free some (a request that could never fit gets a plain KVTransferError)."""
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one layer's blocks; both sides of a transfer must agree on it."""
@@ -193,19 +198,24 @@ class KVHandoff:
         eng = self.engine
         eng.validate_prompt(token_ids)
         sched, kv = eng.scheduler, eng.allocator
-        if len(sched.running) + num_choices > sched.max_num_seqs:
+        bs, n = kv.block_size, len(token_ids)
+        num_blocks = -(-n // bs)
+        extra = (num_choices - 1) * (1 if n % bs else 0)  # the other choices' partial blocks
+        if num_choices > sched.max_num_seqs or num_blocks + extra + num_choices > kv.num_blocks:
             raise KVTransferError(
+                f"this decode worker can never hold {num_choices} choices of a {n}-token prompt "
+                f"(at most {sched.max_num_seqs} sequences, {kv.num_blocks} KV blocks); try another"
+            )
+        if len(sched.running) + num_choices > sched.max_num_seqs:
+            raise KVNoRoomError(
                 f"this decode worker runs {len(sched.running)} requests, at most "
                 f"{sched.max_num_seqs}; try another"
             )
-        bs, n = kv.block_size, len(token_ids)
-        num_blocks = -(-n // bs)
         cached = kv.match_prefix(token_ids[: (n // bs) * bs])
-        extra = (num_choices - 1) * (1 if n % bs else 0)  # the other choices' partial blocks
         need = num_blocks - len(cached)
         if not kv.can_allocate(need + extra + num_choices):  # + one block each may need next
             kv.release(cached)
-            raise KVTransferError(
+            raise KVNoRoomError(
                 f"this decode worker has {kv.num_free_blocks} free KV blocks, the request needs "
                 f"{need + extra + num_choices}; try another"
             )

@@ -285,7 +285,7 @@ class MessagesRoutes:
         mid = new_id()
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
         gen = await self._start(
-            kvp, mid, [ids], params, 1, self._interval(req.stream, req.stream_options)
+            request, kvp, mid, [ids], params, 1, self._interval(req.stream, req.stream_options)
         )
         if req.stream:
             events = EventStream()

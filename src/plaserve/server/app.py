@@ -234,6 +234,7 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
 
     async def _start(
         self,
+        request: Request,
         kvp: Any,
         rid: str,
         prompts: list[list[int]],
@@ -245,7 +246,13 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         ``interval``: :attr:`~plaserve.server.engine_loop.Submission.stream_interval`."""
         if kvp is not None and kvp.do_remote_prefill:
             assert self.pd is not None
-            return await self.pd.import_generation(rid, prompts[0], params, kvp, interval)
+            # The decode worker may wait for room (PDWorker._reserve): a client gone ends the wait.
+            try:
+                return await until_disconnect(
+                    request, self.pd.import_generation(rid, prompts[0], params, kvp, interval)
+                )
+            except ClientDisconnected:
+                raise ApiError(499, "client disconnected") from None  # for the logs only
         if kvp is None:
             return Generation.submit(self.loop, rid, prompts, params, n, interval)
         # a prefill for a remote decode: its first choice parks its blocks
@@ -295,7 +302,7 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         )
         kvp = self._kv_params(body, len(req.prompts), req.sampling, req.stream)
         interval = self._interval(req.stream, req.stream_options)
-        gen = await self._start(kvp, rid, prompts, params, req.sampling.n, interval)
+        gen = await self._start(request, kvp, rid, prompts, params, req.sampling.n, interval)
         if req.stream:
             return EventStreamResponse(
                 self._stream_completion(gen, rid, req.stream_options, req.sampling, echo)
@@ -375,7 +382,9 @@ class _Handlers(ResponsesRoutes, MessagesRoutes):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         kvp = self._kv_params(body, 1, req.sampling, req.stream)
         interval = self._interval(req.stream, req.stream_options)
-        gen = await self._start(kvp, rid, [ids] * req.sampling.n, params, req.sampling.n, interval)
+        gen = await self._start(
+            request, kvp, rid, [ids] * req.sampling.n, params, req.sampling.n, interval
+        )
         if req.stream:
             return EventStreamResponse(
                 self._stream_chat(gen, rid, req.stream_options, req.sampling, parser)

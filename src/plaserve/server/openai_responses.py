@@ -513,7 +513,7 @@ class ResponsesRoutes:
             )
         # a background Response is kept in progress from its first output: it follows the outputs
         interval = self._interval(req.stream or background, req.stream_options)
-        gen = await self._start(kvp, rid, [ids], params, 1, interval)
+        gen = await self._start(request, kvp, rid, [ids], params, 1, interval)
         created = int(time.time())
         if background:
             queued = response(rid, created, self.model_name, body, status="queued", stored=True)

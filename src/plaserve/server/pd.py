@@ -14,7 +14,8 @@ The fields follow vLLM's disaggregated-serving proxy (``toy_proxy_server.py``, `
   admits the request with its prompt computed and its first token known, then streams as usual.
 
 A pull that fails is a 503 with code ``kv_pull_failed`` (the router re-runs the prefill elsewhere); a
-decode worker without room answers 503 ``kv_no_room`` (the router tries another decode worker).
+decode worker without room waits for some while the KV stays parked, then answers 503 ``kv_no_room``
+(the router tries another decode worker).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-from plaserve.engine.kv_transfer import KVTransferError, Reservation
+from plaserve.engine.kv_transfer import KVNoRoomError, KVTransferError, Reservation
 from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.engine_loop import EngineLoop, EngineStoppedError, OutputSink, Submission
 from plaserve.server.errors import ApiError
@@ -35,7 +36,15 @@ from plaserve.server.kv_transfer import KVTransferMetrics, KVTransferService, pu
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 PD_ROLES = ("both", "prefill", "decode")
+# A decode worker without room for an import tries again after ROOM_POLL_S, doubling up to
+# ROOM_POLL_MAX_S (a decode step's time or so), and gives up ROOM_MARGIN_S before the parked KV
+# expires: the pull must start before then, and the two workers' clocks may differ a little.
+ROOM_POLL_S = 0.01
+ROOM_POLL_MAX_S = 0.1
+ROOM_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,16 +58,18 @@ class KVTransferParams:
     remote_request_id: str | None = None
     num_prompt_tokens: int | None = None
     first_token_ids: tuple[int, ...] = ()
+    expires_at: float | None = None  # Unix time the prefill worker frees the parked KV
 
 
-def _field(params: dict, name: str, kind: type, required: bool) -> Any:
+def _field(params: dict, name: str, kind: type | tuple[type, ...], required: bool) -> Any:
     value = params.get(name)
     if value is None and not required:
         return None
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise ApiError(
             400,
-            f"'kv_transfer_params.{name}' must be {kind.__name__}, not {type(value).__name__}",
+            f"'kv_transfer_params.{name}' must be {kinds}, not {type(value).__name__}",
             param=f"kv_transfer_params.{name}",
         )
     return value
@@ -90,6 +101,7 @@ def parse_kv_transfer_params(body: dict[str, Any]) -> KVTransferParams | None:
             f"'kv_transfer_params.remote_port' {port} is not a port",
             param="kv_transfer_params",
         )
+    expires_at = _field(raw, "expires_at", (int, float), False)
     first = _field(raw, "first_token_ids", list, True)
     if not first or not all(isinstance(t, int) and not isinstance(t, bool) for t in first):
         raise ApiError(
@@ -105,6 +117,7 @@ def parse_kv_transfer_params(body: dict[str, Any]) -> KVTransferParams | None:
         remote_request_id=_field(raw, "remote_request_id", str, True),
         num_prompt_tokens=_field(raw, "num_prompt_tokens", int, True),
         first_token_ids=tuple(first),
+        expires_at=None if expires_at is None else float(expires_at),
     )
 
 
@@ -234,17 +247,7 @@ class PDWorker:
                 param="kv_transfer_params.first_token_ids",
             )
         arrival = self.loop.clock()
-        n = len(params)
-        try:
-            res: Reservation = await self.loop.call(
-                lambda loop: loop.engine.kv_handoff.reserve(prompt, n)
-            )
-        except KVTransferError as e:
-            raise ApiError(503, str(e), code="kv_no_room", headers={"Retry-After": "1"}) from None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        except EngineStoppedError as e:
-            raise ApiError(503, str(e)) from None
+        res = await self._reserve(prompt, len(params), kvp.expires_at)
         admitted = False
         try:
             assert kvp.remote_host is not None and kvp.remote_port is not None
@@ -286,7 +289,7 @@ class PDWorker:
                     loop.adopt(req, sub.sink, sub.stream_interval)
 
             try:
-                await self.loop.call(admit)
+                await self._call(admit, lambda _: [self.loop.abort(s.request_id) for s in subs])
             except KVTransferError as e:
                 raise ApiError(503, str(e)) from None
             except EngineStoppedError as e:
@@ -296,6 +299,53 @@ class PDWorker:
         finally:
             if not admitted:
                 await self._cancel(res)
+
+    async def _reserve(self, prompt: list[int], n: int, expires_at: float | None) -> Reservation:
+        """The blocks for ``n`` choices of ``prompt``, whose KV is pulled next. While this worker has
+        not the blocks or the sequences free, wait for its running requests to free some (as vLLM's
+        decode instance queues such a request), as long as the prefill worker keeps the KV parked:
+        until ``ROOM_MARGIN_S`` before ``expires_at`` (none given: no wait). Then 503 ``kv_no_room``,
+        which the router takes to another decode worker."""
+        delay = ROOM_POLL_S
+        while True:
+            try:
+                return await self._call(
+                    lambda loop: loop.engine.kv_handoff.reserve(prompt, n), self._give_back
+                )
+            except KVNoRoomError as e:
+                if expires_at is None or time.time() + delay > expires_at - ROOM_MARGIN_S:
+                    raise ApiError(
+                        503, str(e), code="kv_no_room", headers={"Retry-After": "1"}
+                    ) from None
+            except KVTransferError as e:
+                raise ApiError(
+                    503, str(e), code="kv_no_room", headers={"Retry-After": "1"}
+                ) from None
+            except ValueError as e:
+                raise ApiError(400, str(e)) from None
+            except EngineStoppedError as e:
+                raise ApiError(503, str(e)) from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, ROOM_POLL_MAX_S)
+
+    async def _call(self, fn: Callable[[EngineLoop], T], undo: Callable[[T], object]) -> T:
+        """``self.loop.call(fn)``; a caller cancelled first (its client gone) has ``undo`` applied to
+        what ``fn`` returns, since the engine thread runs ``fn`` all the same."""
+        call = asyncio.ensure_future(self.loop.call(fn))
+        try:
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(
+                lambda done: done.cancelled() or done.exception() is not None or undo(done.result())
+            )
+            raise
+
+    def _give_back(self, res: Reservation) -> None:
+        """Return a reservation's blocks (from the event loop, without waiting)."""
+        try:
+            self.loop.post(lambda loop: loop.engine.kv_handoff.cancel(res), lambda ok, _: None)
+        except EngineStoppedError:
+            pass  # the engine's books went with it
 
     async def _cancel(self, res: Reservation) -> None:
         try:
