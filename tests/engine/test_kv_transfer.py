@@ -157,3 +157,32 @@ def test_imported_requests_preempted_for_room_are_recomputed(llama_ckpt) -> None
     assert sum(r.metrics.num_preemptions for r in got) > 0
     assert [r.output_token_ids for r in got] == [w.output_token_ids for w in wants]
     assert dst.allocator.num_used_blocks == 0
+
+
+def test_the_choices_copies_are_reserved_before_the_pull(llama_ckpt) -> None:
+    """The blocks for the other choices' copies of a partial last block are held from the
+    reservation on: running requests that take every free block while the KV arrives leave the
+    admission its room (it failed with 'the choices' copies need 1' before)."""
+    src, dst, ref = make_engine(llama_ckpt), make_engine(llama_ckpt), make_engine(llama_ckpt)
+    ids = prompt(20, 30)  # one full block and a partial one
+    want = ref.add_request(ids, GREEDY)
+    finish(ref)
+    src.kv_handoff.hold("c")
+    first = src.add_request(ids, FIRST, request_id="c")
+    finish(src)
+    res = dst.kv_handoff.reserve(ids, 2)
+    assert len(res.fresh) == 2 and len(res.copies) == 1
+    taken = dst.allocator.allocate(dst.allocator.num_free_blocks)  # by others, meanwhile
+    blocks = src.kv_handoff.parked_blocks("c", len(res.cached))
+    for layer in range(len(src.kv_handoff.kv_caches)):
+        dst.kv_handoff.write_layer(layer, res.fresh, *src.kv_handoff.read_layer(layer, blocks))
+    src.kv_handoff.release("c")
+    token = first.output_token_ids[0]
+    reqs = dst.kv_handoff.admit(res, [("c-0", GREEDY, token), ("c-1", GREEDY, token)], dst.clock())
+    dst.allocator.release(taken)
+    finish(dst)
+    assert [r.output_token_ids for r in reqs] == [want.output_token_ids] * 2
+    assert dst.allocator.num_used_blocks == 0
+    # A cancelled reservation gives its copies back too.
+    dst.kv_handoff.cancel(dst.kv_handoff.reserve(ids + [1], 3))
+    assert dst.allocator.num_used_blocks == 0

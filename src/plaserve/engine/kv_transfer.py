@@ -74,12 +74,15 @@ class Parked:
 @dataclass
 class Reservation:
     """Blocks a decode-side import holds: ``cached`` from the prefix cache (not pulled), ``fresh`` to
-    be pulled from the prefill side's block ``len(cached)`` on."""
+    be pulled from the prefill side's block ``len(cached)`` on, and ``copies``: the partial last
+    block's copy for each choice after the first (held from the start: taken by running requests
+    while the KV arrived, they would leave the choices nowhere to go)."""
 
     token_ids: list[int]
     cached: list[int]
     fresh: list[int]
     allocator: object  # the books the blocks belong to (an engine reset makes new ones)
+    copies: list[int] = field(default_factory=list)
     released: bool = field(default=False)
 
     @property
@@ -219,14 +222,14 @@ class KVHandoff:
                 f"this decode worker has {kv.num_free_blocks} free KV blocks, the request needs "
                 f"{need + extra + num_choices}; try another"
             )
-        return Reservation(list(token_ids), cached, kv.allocate(need), kv)
+        return Reservation(list(token_ids), cached, kv.allocate(need), kv, kv.allocate(extra))
 
     def cancel(self, res: Reservation) -> None:
         """Give back a reservation's blocks (the pull failed or the client left)."""
         if not res.released:
             res.released = True
             if res.allocator is self.engine.allocator:  # else an engine reset freed them all
-                self.engine.allocator.release(res.block_table)
+                self.engine.allocator.release(res.block_table + res.copies)
 
     def admit(
         self,
@@ -241,11 +244,9 @@ class KVHandoff:
         if res.released or res.allocator is not kv:
             raise KVTransferError("the engine restarted while the KV was arriving; retry")
         n, bs = len(res.token_ids), kv.block_size
-        copies = (len(choices) - 1) * (1 if n % bs else 0)
-        if not kv.can_allocate(copies):  # taken by running requests while the KV arrived
+        if len(res.copies) != (len(choices) - 1) * (1 if n % bs else 0):
             raise KVTransferError(
-                f"this decode worker has {kv.num_free_blocks} free KV blocks, the choices' copies "
-                f"need {copies}; try another"
+                f"{len(choices)} choices on a reservation made for another number"
             )
         taken = {rid for rid, _, _ in choices if rid in eng.requests}
         if taken:
@@ -264,7 +265,7 @@ class KVHandoff:
                 blocks = table[:num_full]
                 kv.fork(blocks)
                 if n % bs:
-                    (copy,) = kv.allocate(1)
+                    copy = res.copies[i - 1]
                     for k, v in self.kv_caches:
                         k[copy].copy_(k[table[-1]])
                         v[copy].copy_(v[table[-1]])
