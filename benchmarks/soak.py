@@ -1,8 +1,10 @@
-"""Soak: a long mixed replay against one server and against a 2-worker router, watching for leaks.
+"""Soak: a long mixed replay against one server, a 2-worker router and a prefill/decode pair, watching
+for leaks.
 
-Two targets run side by side, each with its own open-loop client: ``plaserve serve`` alone, and
-``plaserve route`` in front of two ``plaserve serve`` workers (all real processes on 127.0.0.1, the
-embedded default model). Arrivals follow a Poisson process; prompt and output lengths come from a real
+The targets (``--targets``) run side by side, each with its own open-loop client: ``plaserve serve``
+alone (``one``), ``plaserve route`` in front of two ``plaserve serve`` workers (``router``), and
+``plaserve route --prefill-urls --decode-urls`` in front of a prefill and a decode worker (``pd``; all
+real processes on 127.0.0.1, the embedded default model). Arrivals follow a Poisson process; prompt and output lengths come from a real
 trace (scaled). The mix is what a server meets in a day: streamed and whole completions, chat, ``n`` = 2,
 Responses (half of them continuing an earlier one by ``previous_response_id``, against a store small
 enough to fill and forget, ``--response-store-mib``; a fifth streamed in the background, left after
@@ -298,7 +300,8 @@ async def sample(targets: list[Target], start: float, every: float, stop: asynci
 
 
 async def idle_kv(target: Target, timeout: float = 120.0) -> int:
-    """KV blocks still held once every request has finished (waits up to ``timeout``)."""
+    """KV blocks still held once every request has finished and every prefill parked for a pull that
+    never came has expired (waits up to ``timeout``)."""
     async with aiohttp.ClientSession() as session:
         deadline = time.monotonic() + timeout
         while True:
@@ -306,7 +309,8 @@ async def idle_kv(target: Target, timeout: float = 120.0) -> int:
             for w in target.workers:
                 async with session.get(f"{w}/load") as r:
                     loads.append(await r.json())
-            if all(x["num_requests"] == 0 for x in loads) or time.monotonic() > deadline:
+            idle = all(x["num_requests"] == 0 and x["kv"]["used_blocks"] == 0 for x in loads)
+            if idle or time.monotonic() > deadline:
                 return sum(x["kv"]["used_blocks"] for x in loads)
             await asyncio.sleep(0.5)
 
@@ -400,23 +404,52 @@ def main() -> int:
         help="each server's Response store (default 0.01: small enough to fill and forget within "
         "minutes)",
     )
+    p.add_argument(
+        "--targets",
+        default="one,router,pd",
+        help="comma-separated: one (a server), router (2 workers), pd (a prefill and a decode "
+        "worker); default all three",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for soak.json and soak.md")
     args = p.parse_args()
     server_args = [*SERVER_ARGS, "--response-store-mib", str(args.response_store_mib)]
+    chosen = args.targets.split(",")
+    if unknown := set(chosen) - {"one", "router", "pd"}:
+        p.error(f"unknown targets {sorted(unknown)}")
     with contextlib.ExitStack() as stack:
-        single = stack.enter_context(ServerProcess(server_args))
-        w1, w2 = (stack.enter_context(ServerProcess(server_args)) for _ in range(2))
-        router = stack.enter_context(RouterProcess([w1.url, w2.url]))
-        targets = [
-            Target("one server", single.url, {"server": single}, [single.url]),
-            Target(
-                "router + 2 workers",
-                router.url,
-                {"router": router, "worker 1": w1, "worker 2": w2},
-                [w1.url, w2.url],
-            ),
-        ]
+
+        def serve(*extra: str) -> PlaserveProcess:
+            return stack.enter_context(ServerProcess([*server_args, *extra]))
+
+        targets = []
+        if "one" in chosen:
+            single = serve()
+            targets.append(Target("one server", single.url, {"server": single}, [single.url]))
+        if "router" in chosen:
+            w1, w2 = serve(), serve()
+            router = stack.enter_context(RouterProcess([w1.url, w2.url]))
+            targets.append(
+                Target(
+                    "router + 2 workers",
+                    router.url,
+                    {"router": router, "worker 1": w1, "worker 2": w2},
+                    [w1.url, w2.url],
+                )
+            )
+        if "pd" in chosen:
+            pre, dec = serve("--pd-role", "prefill"), serve("--pd-role", "decode")
+            pd = stack.enter_context(
+                RouterProcess([], ["--prefill-urls", pre.url, "--decode-urls", dec.url])
+            )
+            targets.append(
+                Target(
+                    "PD router + prefill + decode",
+                    pd.url,
+                    {"router": pd, "prefill": pre, "decode": dec},
+                    [pre.url, dec.url],
+                )
+            )
         wall = asyncio.run(soak(targets, args))
     table = report(targets, args, wall)
     print(table)
