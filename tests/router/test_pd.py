@@ -25,7 +25,9 @@ import openai
 import pytest
 
 from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess, running
+from plaserve.router.config import RouterConfig
 from plaserve.router.hints import HEADER
+from plaserve.router.pd import DecodeTier
 
 from .test_proxy import metric
 
@@ -408,11 +410,13 @@ def test_a_decode_worker_without_room_waits_while_the_kv_is_parked(qwen2_ckpt: s
         b.start()
         b.join(0.5)
         assert b.is_alive() and a.is_alive(), "B did not wait for A's sequence"
+        assert load(dec.url)["pd"]["waiting_for_room"] == 1  # what the router reads
         release.set()
         a.join(30)
         b.join(30)
         assert answer["r"].status_code == 200, answer["r"].text
         assert ended["a"] <= answer["at"]
+        assert load(dec.url)["pd"]["waiting_for_room"] == 0
         assert texts(path, answer["r"].json()) == texts(path, post(pre.url, path, body_b).json())
         wait_blocks_zero(dec.url)
         pulls = httpx.get(dec.url + "/metrics", timeout=10).text
@@ -424,6 +428,25 @@ def test_a_decode_worker_without_room_waits_while_the_kv_is_parked(qwen2_ckpt: s
 
 
 # --- through the router ----------------------------------------------------------------------------
+
+
+def test_the_router_takes_a_decode_worker_with_legs_waiting_for_room_as_full() -> None:
+    """A decode worker whose `/load` reports decode legs waiting for room is full, whatever its KV
+    utilisation says: the router sends the next request elsewhere."""
+    tier = DecodeTier(["http://a:1", "http://b:1"], RouterConfig(), lambda: None, {}, lambda: 0.0)  # type: ignore[arg-type, return-value]
+    for w in tier.workers.values():
+        w.healthy = True
+    a, b = tier.workers.values()
+    tier.loads[a.url] = {
+        "kv": {"utilization": 0.2},
+        "running": {"short": 1},
+        "pd": {"waiting_for_room": 0},
+    }
+    tier.loads[b.url] = {"kv": {"utilization": 0.7}, "running": {"short": 5}}
+    assert tier.choose(set()) is a
+    tier.loads[a.url]["pd"]["waiting_for_room"] = 2
+    assert tier.pressure(a) == (10, 3)
+    assert tier.choose(set()) is b
 
 
 def pd_router(prefill_urls: list[str], decode_urls: list[str], *extra: str) -> RouterProcess:

@@ -132,12 +132,17 @@ class DecodeTier:
 
     def pressure(self, worker: Worker) -> tuple[float, int]:
         """``(KV utilisation in steps, running decodes)``: lower is better. Requests the router sent
-        after the worker's last ``/load`` count as running there."""
+        after the worker's last ``/load`` count as running there; a worker with decode legs waiting
+        for room (``pd.waiting_for_room``) is full, and those count as running too."""
         load = self.loads.get(worker.url, {})
         kv = load.get("kv", {}) if isinstance(load.get("kv"), dict) else {}
         util = kv.get("utilization", 0.0)
         running = load.get("running", {})
         count = sum(running.values()) if isinstance(running, dict) else 0
+        pd = load.get("pd", {}) if isinstance(load.get("pd"), dict) else {}
+        waiting = pd.get("waiting_for_room", 0)
+        if isinstance(waiting, int) and waiting > 0:
+            util, count = 1.0, count + waiting
         report = worker.load
         unseen = sum(
             1 for r in worker.inflight.values() if report is None or r.dispatched >= report.sent

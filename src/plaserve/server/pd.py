@@ -167,6 +167,7 @@ class PDWorker:
         self.advertise_host = advertise_host or host
         self.pull_timeout = pull_timeout
         engine_loop.engine.kv_handoff.ttl = ttl
+        self.waiting_for_room = 0  # decode legs waiting for blocks or sequences (_reserve)
         self.metrics = KVTransferMetrics(engine_loop.metrics.registry)
         self.service = KVTransferService(engine_loop, self.metrics, host, port)
 
@@ -178,7 +179,11 @@ class PDWorker:
 
     def describe(self) -> dict[str, Any]:
         """What ``/load`` reports of the role (the router reads it)."""
-        return {"role": self.role, "transfer_port": self.service.port}
+        return {
+            "role": self.role,
+            "transfer_port": self.service.port,
+            "waiting_for_room": self.waiting_for_room,
+        }
 
     # --- prefill side --------------------------------------------------------------------------
     def check_role(self, params: KVTransferParams) -> None:
@@ -306,27 +311,33 @@ class PDWorker:
         decode instance queues such a request), as long as the prefill worker keeps the KV parked:
         until ``ROOM_MARGIN_S`` before ``expires_at`` (none given: no wait). Then 503 ``kv_no_room``,
         which the router takes to another decode worker."""
-        delay = ROOM_POLL_S
-        while True:
-            try:
-                return await self._call(
-                    lambda loop: loop.engine.kv_handoff.reserve(prompt, n), self._give_back
-                )
-            except KVNoRoomError as e:
-                if expires_at is None or time.time() + delay > expires_at - ROOM_MARGIN_S:
+        delay, waiting = ROOM_POLL_S, False
+        try:
+            while True:
+                try:
+                    return await self._call(
+                        lambda loop: loop.engine.kv_handoff.reserve(prompt, n), self._give_back
+                    )
+                except KVNoRoomError as e:
+                    if expires_at is None or time.time() + delay > expires_at - ROOM_MARGIN_S:
+                        raise ApiError(
+                            503, str(e), code="kv_no_room", headers={"Retry-After": "1"}
+                        ) from None
+                except KVTransferError as e:
                     raise ApiError(
                         503, str(e), code="kv_no_room", headers={"Retry-After": "1"}
                     ) from None
-            except KVTransferError as e:
-                raise ApiError(
-                    503, str(e), code="kv_no_room", headers={"Retry-After": "1"}
-                ) from None
-            except ValueError as e:
-                raise ApiError(400, str(e)) from None
-            except EngineStoppedError as e:
-                raise ApiError(503, str(e)) from None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, ROOM_POLL_MAX_S)
+                except ValueError as e:
+                    raise ApiError(400, str(e)) from None
+                except EngineStoppedError as e:
+                    raise ApiError(503, str(e)) from None
+                if not waiting:  # /load tells the router (DecodeTier.pressure)
+                    waiting, self.waiting_for_room = True, self.waiting_for_room + 1
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, ROOM_POLL_MAX_S)
+        finally:
+            if waiting:
+                self.waiting_for_room -= 1
 
     async def _call(self, fn: Callable[[EngineLoop], T], undo: Callable[[T], object]) -> T:
         """``self.loop.call(fn)``; a caller cancelled first (its client gone) has ``undo`` applied to
