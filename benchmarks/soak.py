@@ -422,32 +422,25 @@ def main() -> int:
         def serve(*extra: str) -> PlaserveProcess:
             return stack.enter_context(ServerProcess([*server_args, *extra]))
 
+        def routed(name: str, workers: dict[str, PlaserveProcess], *extra: str) -> Target:
+            """A router started with ``extra`` (by default in front of ``workers``) as a target."""
+            urls = [w.url for w in workers.values()]
+            router = stack.enter_context(RouterProcess([] if extra else urls, list(extra)))
+            return Target(name, router.url, {"router": router, **workers}, urls)
+
         targets = []
         if "one" in chosen:
             single = serve()
             targets.append(Target("one server", single.url, {"server": single}, [single.url]))
         if "router" in chosen:
-            w1, w2 = serve(), serve()
-            router = stack.enter_context(RouterProcess([w1.url, w2.url]))
-            targets.append(
-                Target(
-                    "router + 2 workers",
-                    router.url,
-                    {"router": router, "worker 1": w1, "worker 2": w2},
-                    [w1.url, w2.url],
-                )
-            )
+            targets.append(routed("router + 2 workers", {"worker 1": serve(), "worker 2": serve()}))
         if "pd" in chosen:
             pre, dec = serve("--pd-role", "prefill"), serve("--pd-role", "decode")
-            pd = stack.enter_context(
-                RouterProcess([], ["--prefill-urls", pre.url, "--decode-urls", dec.url])
-            )
             targets.append(
-                Target(
+                routed(
                     "PD router + prefill + decode",
-                    pd.url,
-                    {"router": pd, "prefill": pre, "decode": dec},
-                    [pre.url, dec.url],
+                    {"prefill": pre, "decode": dec},
+                    *("--prefill-urls", pre.url, "--decode-urls", dec.url),
                 )
             )
         wall = asyncio.run(soak(targets, args))
