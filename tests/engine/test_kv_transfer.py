@@ -121,6 +121,32 @@ def test_a_reservation_without_room_is_refused_and_cancel_frees(llama_ckpt) -> N
     assert dst.allocator.num_used_blocks == 0
 
 
+def test_max_choices_is_what_a_reservation_can_ever_hold(llama_ckpt) -> None:
+    """`max_choices` is the largest number of choices `reserve` grants on an idle engine: one more
+    is refused as never possible (the decode worker then queues the rest as ordinary requests)."""
+    dst = LLMEngine(  # 40 blocks of 16 tokens
+        EngineConfig.from_kwargs(
+            model=llama_ckpt, dtype="float32", kv_cache_memory="320KiB", max_model_len=640
+        )
+    )
+    blocks, bs = dst.allocator.num_blocks, dst.allocator.block_size
+    assert blocks == 40
+    for length in (bs * (blocks - 8), bs * (blocks - 8) - 3, bs * (blocks - 1) - 1):
+        ids = prompt(length, length)
+        most = dst.kv_handoff.max_choices(length)
+        assert 1 <= most < dst.scheduler.max_num_seqs
+        dst.kv_handoff.cancel(dst.kv_handoff.reserve(ids, most))
+        try:
+            dst.kv_handoff.reserve(ids, most + 1)
+        except KVTransferError as e:
+            assert "can never hold" in str(e)
+        else:
+            raise AssertionError(f"{most + 1} choices of {length} tokens granted")
+    assert dst.kv_handoff.max_choices(bs * (blocks - 8)) == 8  # full blocks: one new block each
+    assert dst.kv_handoff.max_choices(bs * (blocks - 8) - 3) == 4  # and a copy of the partial one
+    assert dst.allocator.num_used_blocks == 0
+
+
 def test_imported_requests_preempted_for_room_are_recomputed(llama_ckpt) -> None:
     """A decode engine short of blocks preempts requests whose prefill ran elsewhere; pla queues them
     by their deadlines, so they must carry a TTFT SLO as requests that arrived here do (they had none,

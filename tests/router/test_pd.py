@@ -175,6 +175,11 @@ def through_pd(
     return texts(path, r.json())
 
 
+def generated(url: str) -> float:
+    """The tokens a worker has generated, by its ``/metrics``."""
+    return metric(httpx.get(url + "/metrics", timeout=10).text, "vllm:generation_tokens_total")
+
+
 def load(url: str) -> dict[str, Any]:
     return httpx.get(url + "/load", timeout=10).json()
 
@@ -356,8 +361,9 @@ def test_bad_kv_transfer_params_are_400s(prefill: Endpoint, decode: Endpoint) ->
 def test_a_decode_worker_without_room_waits_while_the_kv_is_parked(qwen2_ckpt: str) -> None:
     """A decode worker at its limit of sequences (one here) holds an import until a running request
     ends, as vLLM's decode instance queues it, instead of refusing it; it answers 503 `kv_no_room` at
-    once only where the parked KV would expire first (ROOM_MARGIN_S, 1 s, before `expires_at`) or
-    where it could never hold the request. A client that leaves meanwhile ends its wait."""
+    once where the parked KV would expire first (ROOM_MARGIN_S, 1 s, before `expires_at`). More
+    choices than it can ever run at once are not refused either. A client that leaves meanwhile ends
+    its wait."""
     path = "/v1/completions"
     args = ["--kv-cache-memory", "16MiB", "--max-model-len", "2048", "--no-compile"]
     with running(
@@ -389,12 +395,8 @@ def test_a_decode_worker_without_room_waits_while_the_kv_is_parked(qwen2_ckpt: s
         soon = {**params_b, "expires_at": time.time() + 0.5}
         r = post(dec.url, path, {**body_b, "kv_transfer_params": soon})
         assert r.status_code == 503 and r.json()["error"]["code"] == "kv_no_room", r.text
-        # Two choices on a worker of one sequence: never, so at once.
-        body_n = {**body_b, "n": 2}
-        params_n = prefill_request(pre.url, path, body_n)
-        r = post(dec.url, path, {**body_n, "kv_transfer_params": params_n})
-        assert r.status_code == 503 and "can never hold" in r.json()["error"]["message"], r.text
-        # A client that gives up while its decode leg waits for room ends the wait: nothing pulled.
+        # A client that gives up while its decode leg waits for room ends the wait: nothing pulled,
+        # the prefill worker told to free the KV.
         body_c = {"prompt": "A client that leaves", "max_tokens": 8, "temperature": 0}
         params_c = prefill_request(pre.url, path, body_c)
         with pytest.raises(httpx.ReadTimeout):
@@ -418,13 +420,23 @@ def test_a_decode_worker_without_room_waits_while_the_kv_is_parked(qwen2_ckpt: s
         assert ended["a"] <= answer["at"]
         assert load(dec.url)["pd"]["waiting_for_room"] == 0
         assert texts(path, answer["r"].json()) == texts(path, post(pre.url, path, body_b).json())
+        # Two choices on a worker of one sequence: the first imported, the second queued behind it
+        # as a colocated server runs it (the prompt's blocks found in the prefix cache); both equal
+        # the prefill worker's own answer (a seed: the same draws).
+        body_n = {**body_b, "n": 2, "temperature": 0.8, "seed": 7}
+        params_n = prefill_request(pre.url, path, body_n)
+        r = post(dec.url, path, {**body_n, "kv_transfer_params": params_n})
+        assert r.status_code == 200, r.text
+        assert texts(path, r.json()) == texts(path, post(pre.url, path, body_n).json())
         wait_blocks_zero(dec.url)
         pulls = httpx.get(dec.url + "/metrics", timeout=10).text
-        assert metric(pulls, "plaserve_kv_transfer_seconds_count") == 2  # A's and B's
-        # The prefill worker holds only the KV never pulled (two choices, the client gone), parked
-        # until it expires.
-        unpulled = len(params_n["remote_block_ids"]) + len(params_c["remote_block_ids"])
-        assert load(pre.url)["kv"]["used_blocks"] == unpulled
+        assert metric(pulls, "plaserve_kv_transfer_seconds_count") == 3  # A's, B's and n's
+        # The KV never pulled (the client gone) was freed at the decode worker's word, not left
+        # parked until it expires.
+        wait_blocks_zero(pre.url)
+        text = httpx.get(pre.url + "/metrics", timeout=10).text
+        assert metric(text, "plaserve_kv_transfer_released_total") == 1
+        assert metric(text, "plaserve_kv_transfer_expired_total") == 0
 
 
 # --- through the router ----------------------------------------------------------------------------
@@ -464,7 +476,10 @@ def test_router_pd_equals_colocated_with_the_openai_client(
     for prompt, n in [("Once upon a time", 1), (LONG, 1), ("Two ways to say it", 2)]:
         kw = {"model": "qwen20", "prompt": prompt, "max_tokens": 10, "temperature": 0, "n": n}
         ref = [c.text for c in ref_client.completions.create(**kw).choices]
+        before = generated(prefill.url)
         assert [c.text for c in client.completions.create(**kw).choices] == ref
+        # The prefill leg samples one choice whatever `n`: the decode worker runs the others.
+        assert generated(prefill.url) - before == 1
         parts: dict[int, str] = {}
         for chunk in client.completions.create(**kw, stream=True):
             for c in chunk.choices:
@@ -528,6 +543,14 @@ def test_router_pd_equals_colocated_with_the_openai_client(
         model="qwen20", prompt="Hello", max_tokens=3, temperature=0, logprobs=1
     )
     assert len(with_logprobs.choices[0].logprobs.tokens) == 3
+    # `logprobs: 0` too (the sampled tokens' own logprobs): it was sent through PD and refused
+    zero = client.completions.create(
+        model="qwen20", prompt="Hello", max_tokens=3, temperature=0, logprobs=0
+    )
+    assert (
+        zero.choices[0].logprobs.token_logprobs[:1]
+        == with_logprobs.choices[0].logprobs.token_logprobs[:1]
+    )
     wait_blocks_zero(prefill.url)
     wait_blocks_zero(decode.url)
 

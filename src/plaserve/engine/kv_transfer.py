@@ -194,6 +194,17 @@ class KVHandoff:
         return sum(len(p.block_ids) for p in self.parked.values())
 
     # --- import (engine thread) -----------------------------------------------------------------
+    def max_choices(self, num_prompt_tokens: int) -> int:
+        """The most choices of a ``num_prompt_tokens``-token prompt this engine can ever hold at once
+        (its sequences, and its blocks for the prompt, each other choice's copy of a partial last
+        block and each choice's next one); 0: not even one. A fixed property of the engine: any
+        thread may ask."""
+        bs, blocks = self.engine.allocator.block_size, self.engine.allocator.num_blocks
+        room = blocks - -(-num_prompt_tokens // bs)  # after the shared prompt blocks
+        per_choice = 2 if num_prompt_tokens % bs else 1  # its next block (+ its partial copy)
+        by_blocks = (room + (1 if num_prompt_tokens % bs else 0)) // per_choice  # first: no copy
+        return max(0, min(self.engine.scheduler.max_num_seqs, by_blocks))
+
     def reserve(self, token_ids: list[int], num_choices: int) -> Reservation:
         """Blocks for a prompt whose KV comes from elsewhere: its cached leading blocks (forked) and
         fresh ones for the rest, plus room for each choice's own copy of a partial last block and for
@@ -204,7 +215,7 @@ class KVHandoff:
         bs, n = kv.block_size, len(token_ids)
         num_blocks = -(-n // bs)
         extra = (num_choices - 1) * (1 if n % bs else 0)  # the other choices' partial blocks
-        if num_choices > sched.max_num_seqs or num_blocks + extra + num_choices > kv.num_blocks:
+        if num_choices > self.max_choices(n):
             raise KVTransferError(
                 f"this decode worker can never hold {num_choices} choices of a {n}-token prompt "
                 f"(at most {sched.max_num_seqs} sequences, {kv.num_blocks} KV blocks); try another"

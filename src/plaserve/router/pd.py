@@ -53,7 +53,8 @@ def pd_capable(path: str, body: dict[str, Any]) -> bool:
     is done, no logprobs of any kind (``/v1/messages/count_tokens`` generates nothing)."""
     if path.endswith("/count_tokens") or body.get("background") is True:
         return False  # a background Response answers at once, with no KV to hand over
-    if body.get("logprobs") not in (None, False) or body.get("prompt_logprobs") is not None:
+    logprobs = body.get("logprobs")  # `logprobs: 0` asks for them too (`0 in (None, False)`)
+    if logprobs is not None and logprobs is not False or body.get("prompt_logprobs") is not None:
         return False
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
@@ -62,8 +63,12 @@ def pd_capable(path: str, body: dict[str, Any]) -> bool:
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body: one token, not streamed, its KV kept for a remote decode."""
-    out = {k: v for k, v in body.items() if k != "stream_options"}
+    """The prefill leg's body: one choice of one token, not streamed, its KV kept for a remote
+    decode. One choice: the decode worker queues the others behind it, over the prompt blocks it
+    pulled (``PDWorker.import_generation``); a prefill of ``n`` would hold the first choice's parked
+    blocks while the others wait for blocks of their own, and on a full prefill worker they could
+    wait until the parked KV expires."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "n", "best_of")}
     if path == "/v1/responses":
         out["max_output_tokens"] = 1
     else:

@@ -79,17 +79,7 @@ class Generation:
             )
             for i, (ids, p) in enumerate(zip(prompts, params))
         ]
-        try:
-            engine_loop.submit(subs)
-        except QueueFullError as e:
-            retry = max(1, int(-(-e.retry_after // 1)))
-            raise ApiError(
-                429, str(e), code="queue_full", headers={"Retry-After": str(retry)}
-            ) from None
-        except EngineStoppedError as e:
-            raise ApiError(503, str(e)) from None
-        except ValueError as e:  # larger than the queue: retrying would not help
-            raise ApiError(400, str(e)) from None
+        queue_submissions(engine_loop, subs)
         return cls(engine_loop, subs, queue)
 
     @property
@@ -192,3 +182,19 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def queue_submissions(engine_loop: EngineHandle, subs: list[Submission]) -> None:
+    """``engine_loop.submit(subs)``, its refusals as API errors: 429 when the queue is full, 503 when
+    the engine is not running, 400 for more requests than the queue can ever hold."""
+    try:
+        engine_loop.submit(subs)
+    except QueueFullError as e:
+        retry = max(1, int(-(-e.retry_after // 1)))
+        raise ApiError(
+            429, str(e), code="queue_full", headers={"Retry-After": str(retry)}
+        ) from None
+    except EngineStoppedError as e:
+        raise ApiError(503, str(e)) from None
+    except ValueError as e:  # larger than the queue: retrying would not help
+        raise ApiError(400, str(e)) from None

@@ -11,6 +11,10 @@ Wire protocol (asyncio streams; one connection per pull, docs/PD.md):
 4. the puller answers ``ok`` once everything is written; only then does the server free the parked
    blocks. A pull that fails half-way leaves them parked until their expiry, so a retry may pull again.
 
+A decode worker whose client left before the pull sends ``{"request_id": ..., "release": true}``
+instead (:func:`release`): the server frees the parked blocks at once (nobody will pull them) and
+answers ``{"ok": true, "released": bool}``.
+
 Transfers are counted by direction (``sent``/``received``): seconds, bytes, blocks, failures, and the
 blocks a decode worker did not pull because its prefix cache had them (``plaserve_kv_transfer_*``).
 """
@@ -66,6 +70,11 @@ class KVTransferMetrics:
         self.expired = Counter(
             "plaserve_kv_transfer_expired",
             "Parked prefills freed because their pull did not come in time",
+            registry=registry,
+        )
+        self.released = Counter(
+            "plaserve_kv_transfer_released",
+            "Parked prefills freed at a decode worker's word: its client left before the pull",
             registry=registry,
         )
         self.parked = Gauge(
@@ -162,7 +171,14 @@ class KVTransferService:
     ) -> None:
         try:
             ask = json.loads(await asyncio.wait_for(reader.readline(), self.ack_timeout))
-            rid, first = str(ask["request_id"]), int(ask["start_block"])
+            rid = str(ask["request_id"])
+            if ask.get("release") is True:
+                freed = await self.loop.call(lambda loop: loop.engine.kv_handoff.release(rid))
+                self.metrics.released.inc(freed)
+                writer.write(json.dumps({"ok": True, "released": freed}).encode() + b"\n")
+                await writer.drain()
+                return
+            first = int(ask["start_block"])
             handoff = self.loop.engine.kv_handoff
             layout = handoff.layout()
             if ask.get("layout") != layout.as_dict():
@@ -272,3 +288,24 @@ async def pull(
     metrics.bytes.labels("received").inc(received)
     metrics.blocks.labels("received").inc(len(res.fresh))
     return PullResult(len(res.fresh), received, seconds)
+
+
+async def release(host: str, port: int, request_id: str, timeout: float) -> bool:
+    """Ask the prefill worker at ``host:port`` to free the KV it parked for ``request_id`` (a pull
+    that will never come); whether it had it. Errors are logged, not raised: the parked KV expires
+    all the same."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError) as e:
+        log.info("could not release %s at %s:%d: %r", request_id, host, port, e)
+        return False
+    try:
+        writer.write(json.dumps({"request_id": request_id, "release": True}).encode() + b"\n")
+        await writer.drain()
+        answer = json.loads(await asyncio.wait_for(reader.readline(), timeout) or b"null")
+        return isinstance(answer, dict) and answer.get("released") is True
+    except (OSError, asyncio.TimeoutError, ValueError) as e:
+        log.info("could not release %s at %s:%d: %r", request_id, host, port, e)
+        return False
+    finally:
+        writer.close()

@@ -15,7 +15,8 @@ The fields follow vLLM's disaggregated-serving proxy (``toy_proxy_server.py``, `
 
 A pull that fails is a 503 with code ``kv_pull_failed`` (the router re-runs the prefill elsewhere); a
 decode worker without room waits for some while the KV stays parked, then answers 503 ``kv_no_room``
-(the router tries another decode worker).
+(the router tries another decode worker). A decode leg whose client leaves before the pull tells
+the prefill worker to free the parked KV.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from plaserve.engine.kv_transfer import KVNoRoomError, KVTransferError, Reservat
 from plaserve.request import RequestOutput, SamplingParams
 from plaserve.server.engine_loop import EngineLoop, EngineStoppedError, OutputSink, Submission
 from plaserve.server.errors import ApiError
-from plaserve.server.generation import Generation
-from plaserve.server.kv_transfer import KVTransferMetrics, KVTransferService, pull
+from plaserve.server.generation import Generation, queue_submissions
+from plaserve.server.kv_transfer import KVTransferMetrics, KVTransferService, pull, release
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class PDWorker:
         self.pull_timeout = pull_timeout
         engine_loop.engine.kv_handoff.ttl = ttl
         self.waiting_for_room = 0  # decode legs waiting for blocks or sequences (_reserve)
+        self._releases: set[asyncio.Task] = set()  # _release_remote's, until done
         self.metrics = KVTransferMetrics(engine_loop.metrics.registry)
         self.service = KVTransferService(engine_loop, self.metrics, host, port)
 
@@ -175,6 +177,9 @@ class PDWorker:
         await self.service.start()
 
     async def stop(self) -> None:
+        for task in list(self._releases):
+            task.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
         await self.service.stop()
 
     def describe(self) -> dict[str, Any]:
@@ -229,7 +234,15 @@ class PDWorker:
         stream_interval: int = 1,
     ) -> Generation:
         """Pull a remote prefill's KV and start its choices here (one per entry of ``params``);
-        ``stream_interval`` as :attr:`~plaserve.server.engine_loop.Submission.stream_interval`."""
+        ``stream_interval`` as :attr:`~plaserve.server.engine_loop.Submission.stream_interval`.
+
+        The choices with a first token in ``kvp`` are imported, as many as this worker can ever
+        hold at once (its ``--max-num-seqs``, its blocks:
+        :meth:`~plaserve.engine.kv_transfer.KVHandoff.max_choices`); the others (the router's
+        prefill leg samples one) queue as ordinary requests behind the first, as a colocated server
+        runs them: the pulled prompt blocks are in the prefix cache by then, so they compute only a
+        partial last block and sample their own first token (with a seed, the one a colocated
+        server samples)."""
         if kvp.num_prompt_tokens != len(prompt):
             raise ApiError(
                 400,
@@ -237,7 +250,7 @@ class PDWorker:
                 f"request's prompt has {len(prompt)} here (the workers must share a tokenizer)",
                 param="kv_transfer_params.num_prompt_tokens",
             )
-        if len(kvp.first_token_ids) != len(params):
+        if len(kvp.first_token_ids) > len(params):
             raise ApiError(
                 400,
                 f"kv_transfer_params carry {len(kvp.first_token_ids)} first tokens for "
@@ -252,7 +265,13 @@ class PDWorker:
                 param="kv_transfer_params.first_token_ids",
             )
         arrival = self.loop.clock()
-        res = await self._reserve(prompt, len(params), kvp.expires_at)
+        most = self.loop.engine.kv_handoff.max_choices(len(prompt))
+        imported = max(1, min(len(kvp.first_token_ids), most))
+        try:
+            res = await self._reserve(prompt, imported, kvp.expires_at)
+        except asyncio.CancelledError:
+            self._release_remote(kvp)
+            raise
         admitted = False
         try:
             assert kvp.remote_host is not None and kvp.remote_port is not None
@@ -279,31 +298,59 @@ class PDWorker:
                     p,
                     arrival,
                     OutputSink(aloop, queue, i),
+                    after=f"{request_id}-0" if i >= imported else None,
                     stream_interval=stream_interval,
                 )
                 for i, p in enumerate(params)
             ]
+            first, rest = subs[:imported], subs[imported:]
 
             def admit(loop: EngineLoop) -> None:
                 reqs = loop.engine.kv_handoff.admit(
                     res,
-                    [(s.request_id, s.params, t) for s, t in zip(subs, kvp.first_token_ids)],
+                    [(s.request_id, s.params, t) for s, t in zip(first, kvp.first_token_ids)],
                     arrival,
                 )
-                for req, sub in zip(reqs, subs):
+                for req, sub in zip(reqs, first):
                     loop.adopt(req, sub.sink, sub.stream_interval)
 
+            def abort(subs: list[Submission]) -> None:
+                for sub in subs:
+                    self.loop.abort(sub.request_id)
+
             try:
-                await self._call(admit, lambda _: [self.loop.abort(s.request_id) for s in subs])
+                await self._call(admit, lambda _: abort(first))
             except KVTransferError as e:
                 raise ApiError(503, str(e)) from None
             except EngineStoppedError as e:
                 raise ApiError(503, str(e)) from None
             admitted = True
+            if rest:
+                try:
+                    queue_submissions(self.loop, rest)
+                except ApiError:
+                    abort(first)
+                    raise
             return Generation(self.loop, subs, queue)
+        except asyncio.CancelledError:
+            if not admitted:
+                self._release_remote(kvp)
+            raise
         finally:
             if not admitted:
                 await self._cancel(res)
+
+    def _release_remote(self, kvp: KVTransferParams) -> None:
+        """Tell the prefill worker to free the KV it parked for ``kvp``: this decode leg's client
+        left before the pull, and no other leg will pull it. Runs on its own; the parked KV
+        expires all the same if it cannot."""
+        assert kvp.remote_host is not None and kvp.remote_port is not None
+        assert kvp.remote_request_id is not None
+        task = asyncio.ensure_future(
+            release(kvp.remote_host, kvp.remote_port, kvp.remote_request_id, self.pull_timeout)
+        )
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _reserve(self, prompt: list[int], n: int, expires_at: float | None) -> Reservation:
         """The blocks for ``n`` choices of ``prompt``, whose KV is pulled next. While this worker has
