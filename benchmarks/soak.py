@@ -9,10 +9,11 @@ trace (scaled). The mix is what a server meets in a day: streamed and whole comp
 Responses (half of them continuing an earlier one by ``previous_response_id``, against a store small
 enough to fill and forget, ``--response-store-mib``; a fifth streamed in the background, left after
 three events, then resumed or cancelled) and Anthropic Messages, clients that walk away mid-stream, and bad requests (NaN temperatures, over-deep JSON, lone surrogates)
-that must get a 4xx. ``--chaos N`` adds N closed-loop clients a target that send random valid bodies
-over the whole API (``n`` 1-3, logprobs and echo, tools, structured outputs, stop strings, penalties,
-logit biases, stream intervals) and leave streams after 0-6 events or whole answers before they come;
-with a KV cache of a few MiB (``--kv-cache-memory``) they preempt all the time. ``--rate 0`` leaves the
+that must get a 4xx. ``--chaos N`` adds N closed-loop clients a target that send random bodies over
+the whole API (``n`` 1-3, logprobs and echo, tools, structured outputs, stop strings, penalties, logit
+biases, stream intervals; one in seven with a field given an odd value, dropped or added, which may
+earn a 4xx, never a 5xx) and leave streams after 0-6 events or whole answers before they come; with a
+KV cache of a few MiB (``--kv-cache-memory``) they preempt all the time. ``--rate 0`` leaves the
 Poisson mix out.
 
 Every ``--sample-every`` seconds it records, for each process: resident memory (VmRSS), open file
@@ -375,14 +376,44 @@ def chaos_request(rng: random.Random) -> tuple[str, dict[str, Any], int | None]:
     return path, body, cut
 
 
+ODD_VALUES: list[Any] = [
+    None, True, 0, -1, 2**64, 1e308, -1e-308, float("nan"), "", "x", "日" * 3, [], [None], [1, "a"],
+    {}, {"a": 1}, {"type": None}, [[[]]],
+]  # fmt: skip
+
+
+def mutate(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with one field, top-level or one level down, given an odd value, dropped or joined by
+    an unknown one: the server must answer 200 or a 4xx, never a 5xx or an error event."""
+    out = json.loads(json.dumps(body))
+    holder: dict[str, Any] = out
+    nested = [
+        v if isinstance(v, dict) else v[0]
+        for v in out.values()
+        if isinstance(v, dict) and v or isinstance(v, list) and v and isinstance(v[0], dict)
+    ]
+    if nested and rng.random() < 0.4:
+        holder = rng.choice(nested)
+    roll = rng.random()
+    if roll < 0.1:
+        holder[rng.choice(["foo", "type", "role", "model", "n", "tools"])] = rng.choice(ODD_VALUES)
+    elif roll < 0.2 and holder:
+        holder.pop(rng.choice(sorted(holder)))
+    elif holder:
+        holder[rng.choice(sorted(holder))] = rng.choice(ODD_VALUES)
+    return out
+
+
 async def chaos_client(
     session: aiohttp.ClientSession, target: Target, rng: random.Random, end: float
 ) -> None:
-    """Random requests back to back until ``end``: a 5xx, a failed connection or an error event in
-    a stream counts as an error; a 4xx is counted by its status and kept by its message, for the
-    report to show (a body of :func:`chaos_request` should not earn one)."""
+    """Random requests back to back until ``end``, one in seven of them :func:`mutate`-d: a 5xx, a
+    failed connection or an error event in a stream counts as an error; a 4xx is counted by its
+    status and kept by its message, for the report to show."""
     while time.monotonic() < end:
         path, body, cut = chaos_request(rng)
+        if rng.random() < 0.15:
+            body = mutate(rng, body)
         try:
             if cut == -1:  # the client gives up before the answer: the server must notice
                 with contextlib.suppress(asyncio.TimeoutError):

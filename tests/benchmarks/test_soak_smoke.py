@@ -41,3 +41,8 @@ def test_chaos_bodies_are_valid_and_varied(load_benchmark) -> None:
     for _, body, _ in requests:
         if "min_tokens" in body:
             assert body["min_tokens"] <= body["max_tokens"]
+    # a mutant differs from its body in one field (dropped, odd or added), the body left intact
+    bodies = [json.dumps(body) for _, body, _ in requests[:500]]
+    mutants = [soak.mutate(rng, body) for _, body, _ in requests[:500]]
+    assert [json.dumps(body) for _, body, _ in requests[:500]] == bodies
+    assert sum(json.dumps(m) != b for m, b in zip(mutants, bodies)) > 450

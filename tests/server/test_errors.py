@@ -198,6 +198,16 @@ def test_bad_input_gets_an_openai_error(
     assert isinstance(error["type"], str)
 
 
+def test_a_logit_bias_that_is_not_a_number_is_named(server) -> None:
+    """The message names the entry and its type (it said "got object" of the whole map)."""
+    resp = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "hi", "logit_bias": {"5": []}}
+    )
+    assert resp.status_code == 422
+    error = resp.json()["error"]
+    assert error["param"] == "logit_bias.5" and "must be a number, got array" in error["message"]
+
+
 def test_wrong_method_is_an_error(server) -> None:
     resp = httpx.get(f"{server.url}/v1/completions")
     assert resp.status_code == 405 and "error" in resp.json()

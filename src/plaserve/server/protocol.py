@@ -190,7 +190,7 @@ def _parse_logit_bias(value: Any) -> dict[int, float] | None:
                 400, f"logit_bias keys must be token ids, got {key[:40]!r}", param="logit_bias"
             )
         if not isinstance(b, (int, float)) or isinstance(b, bool):
-            raise _type_error("logit_bias", "an object of token ids to numbers", value)
+            raise _type_error(f"logit_bias.{key}", "a number", b)
         bias[int(key)] = float(b)
     return bias or None
 
