@@ -435,7 +435,10 @@ async def _chaos_send(
         if r.status != 200:
             data = await r.read()
             target.count(f"chaos_{r.status}" if 400 <= r.status < 500 else f"http_{r.status}")
-            target.refusals.add(f"{path} {r.status} {re.sub(rb'[0-9]+', b'#', data[:200])!r}")
+            line = f"{path} {r.status} {re.sub(rb'[0-9]+', b'#', data[:200])!r}"
+            if r.status >= 500:  # with the body, to reproduce it
+                line += f" for {json.dumps(body)[:1000]}"
+            target.refusals.add(line)
             return
         if not body.get("stream"):
             await r.read()

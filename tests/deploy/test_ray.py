@@ -105,6 +105,14 @@ def test_completions_and_chat_through_the_ingress(client: openai.OpenAI) -> None
         client.completions.create(model=model, prompt=SHORT_PROMPT, max_tokens=0)
     bad = httpx.post(f"{client.base_url}completions", content=b"{not json", timeout=30)
     assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    # NaN parses (the field must refuse it by name): it reaches the worker, which answers a 400,
+    # whole or streamed (the replica failed to write it on: a 500)
+    for stream in ("false", "true"):
+        nan = (
+            b'{"prompt": "Hi", "max_tokens": 4, "temperature": NaN, "stream": %s}' % stream.encode()
+        )
+        r = httpx.post(f"{client.base_url}completions", content=nan, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
 
 
 def test_streaming_completion_and_chat(client: openai.OpenAI) -> None:

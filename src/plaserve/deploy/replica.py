@@ -26,6 +26,7 @@ What the replica gives Ray:
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -40,6 +41,18 @@ from plaserve.router.prefixes import cache_tokens
 
 class ReplicaError(RuntimeError):
     """The replica's server could not be reached (it died, or is restarting)."""
+
+
+def _json(body: dict[str, Any]) -> bytes:
+    """The ingress's parsed body as JSON again, ``NaN`` and ``Infinity`` kept: the server names the
+    field that has one in a 4xx (httpx's ``json=`` refuses to write them: a 500)."""
+    return json.dumps(body).encode()
+
+
+def _typed(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` with a JSON content type (the client's may be missing or another)."""
+    kept = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+    return {**kept, "content-type": "application/json"}
 
 
 def _answer(r: httpx.Response) -> tuple[int, Any]:
@@ -109,7 +122,7 @@ class PlaserveReplica:
         """A whole answer: ``(status, JSON body)`` from the server. ``job`` (prompt lengths, class)
         is for the request router and unused here."""
         try:
-            r = await self.client.post(path, json=body, headers=headers)
+            r = await self.client.post(path, content=_json(body), headers=_typed(headers))
         except httpx.TransportError as e:
             raise ReplicaError(f"worker {self.server.url} did not answer: {e!r}") from None
         return _answer(r)
@@ -126,7 +139,10 @@ class PlaserveReplica:
         status (an error answer as ``(status, JSON body)``, which ends the stream), then the event
         stream's bytes as they come."""
         try:
-            async with self.client.stream(method, path, json=body, headers=headers) as r:
+            content = None if body is None else _json(body)
+            async with self.client.stream(
+                method, path, content=content, headers=_typed(headers)
+            ) as r:
                 if r.status_code != 200:
                     await r.aread()
                     try:
