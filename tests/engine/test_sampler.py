@@ -9,6 +9,7 @@ from plaserve.engine.sampler import (
     _argmax,
     _filter_top_k_top_p,
     apply_penalties,
+    ban_until_min_tokens,
     sample,
     unusable_rows,
 )
@@ -71,7 +72,7 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
         request([1], [4], eos=(2,), min_tokens=2, stop_token_ids=[5]),
         request([1], [4, 4], eos=(2,), min_tokens=2, stop_token_ids=[5]),
     ]
-    out = apply_penalties(logits, reqs)
+    out = ban_until_min_tokens(apply_penalties(logits, reqs), reqs)
     assert torch.isinf(out[0]).tolist() == [False, False, True, False, False, True]
     assert not torch.isinf(out[1]).any()  # two tokens out: eos and stop ids are allowed again
 

@@ -129,6 +129,18 @@ def test_preemption_keeps_the_grammar_state(qwen2_ckpt):
     assert engine.allocator.num_used_blocks == 0
 
 
+def test_a_grammar_of_the_empty_string_ends_before_min_tokens(qwen2_ckpt):
+    """An empty regex allows only end-of-sequence, which `min_tokens` bans: the grammar wins and
+    the request stops at once (it failed: every logit -inf, "not finite"), as one whose grammar a
+    token completed stops before `min_tokens`. The ban still holds for the rows beside it."""
+    engine = make_engine(qwen2_ckpt)
+    empty = SamplingParams(max_tokens=6, min_tokens=3, structured=StructuredOutputs(regex=""))
+    plain = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    reqs = run(engine, [([5, 6, 7], empty), ([5, 6, 7], plain)])
+    assert reqs[0].finish_reason == "stop" and reqs[0].output_text == ""
+    assert reqs[1].finish_reason == "length" and len(reqs[1].output_token_ids) == 6
+
+
 def test_n_choices_each_follow_the_grammar(qwen2_ckpt):
     llm = LLM(qwen2_ckpt, dtype="float32", kv_cache_memory="16MiB")
     params = SamplingParams(n=5, max_tokens=200, temperature=1.0, seed=11, structured=SPECS[0])

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from plaserve.engine.graphs import DecodeRunner, GraphGrid
-from plaserve.engine.sampler import apply_penalties, sample, token_logprobs
+from plaserve.engine.sampler import apply_penalties, ban_until_min_tokens, sample, token_logprobs
 from plaserve.grammar.masks import start_masks
 from plaserve.kv_blocks import NULL_BLOCK
 from plaserve.model.attention import AttentionMetadata, PrefillSeq, QueryRows
@@ -383,6 +383,7 @@ class ModelRunner:
         logits = apply_penalties(logits, reqs)
         if masks is not None:  # after the penalties and the bias: a bias never undoes the mask
             masks.apply(logits)
+        logits = ban_until_min_tokens(logits, reqs)  # after the masks: it yields to a grammar
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         if raw is not None and (
             rows := [(k, j) for k, j in enumerate(asked) if tokens[j] is not None]

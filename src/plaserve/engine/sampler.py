@@ -1,7 +1,8 @@
 """Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Penalties and the ``min_tokens`` ban change the logits first, for greedy and sampled requests alike (as
-vLLM applies them); then greedy rows take the argmax and the others sample from the filtered softmax.
+vLLM applies them; the ban after a grammar's mask, which it yields to); then greedy rows take the
+argmax and the others sample from the filtered softmax.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class PenaltyState:
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
     """``logits`` ``[N, vocab]`` (row ``i`` for ``reqs[i]``) with each request's penalties applied (vLLM's
     semantics): the repetition penalty over prompt and output tokens, presence and frequency penalties
-    over output tokens, the logit bias, and eos and stop token ids banned until ``min_tokens`` are out.
-    Rows without any are left alone; the tensor is changed in place and returned."""
+    over output tokens, and the logit bias (the ``min_tokens`` ban comes after the grammar masks:
+    :func:`ban_until_min_tokens`). Rows without any are left alone; the tensor is changed in place
+    and returned."""
     for i, req in enumerate(reqs):
         p = req.params
         if not p.penalised:
@@ -57,8 +59,6 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
         state = req.penalty_state
         state.update(req.output_token_ids)
         row = logits[i]
-        if len(req.output_token_ids) < p.min_tokens:
-            row[state.banned] = float("-inf")
         if p.repetition_penalty != 1.0:
             penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(state.seen, penalised, row))
@@ -68,6 +68,24 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
             )
         if p.logit_bias:
             row.index_add_(0, state.bias_ids, state.bias)
+    return logits
+
+
+@torch.inference_mode()
+def ban_until_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+    """``logits`` (after :func:`apply_penalties` and the grammar masks) with eos and stop token ids at
+    -inf in the rows of requests with fewer than ``min_tokens`` output tokens. Where a grammar allows
+    nothing but those (it matches only the empty string, say), the grammar wins: the request ends
+    before ``min_tokens``, as one whose grammar a token completed does, instead of failing with no
+    token left to draw. Changed in place and returned."""
+    for i, req in enumerate(reqs):
+        if len(req.output_token_ids) >= req.params.min_tokens or req.penalty_state is None:
+            continue
+        row, banned = logits[i], req.penalty_state.banned
+        kept = row[banned].clone() if req.grammar is not None else None
+        row[banned] = float("-inf")
+        if kept is not None and not torch.isfinite(row.max()):
+            row[banned] = kept
     return logits
 
 
