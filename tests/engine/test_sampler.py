@@ -178,3 +178,12 @@ def test_greedy_argmax_matches_torch_on_ties_and_broken_rows() -> None:
     with torch.inference_mode():
         assert _argmax(logits).tolist() == logits.argmax(-1).tolist()
         assert _argmax(logits).tolist()[:4] == [int(logits[0].argmax()), 0, 10, 7]
+
+
+def test_a_huge_temperature_draws_among_the_allowed_tokens():
+    """1e308 is inf in float32, and -inf (a masked token) over it NaN: ``torch.multinomial`` raised
+    for the whole batch."""
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 3.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample(logits, [SamplingParams(temperature=1e308)], [gen])[0] for _ in range(50)}
+    assert draws == {1, 3}  # uniform over the two allowed tokens

@@ -192,6 +192,20 @@ def test_tiny_temperatures_are_greedy(conn: KeepAliveClient, temperature: float)
     assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]
 
 
+@pytest.mark.parametrize("temperature", [1e308, 2.0**64, 1e31])
+def test_huge_temperatures_draw_among_the_allowed_tokens(
+    conn: KeepAliveClient, temperature: float
+) -> None:
+    """A huge temperature over logits some of which are -inf (a grammar's mask here) made NaN (the
+    temperature is inf in float32): the engine failed and restarted, aborting every request it had.
+    Now a uniform draw among the allowed tokens."""
+    body = {"prompt": "Hello", "max_tokens": 32, "temperature": temperature}
+    body["structured_outputs"] = {"choice": ["yes", "no", "maybe so"]}
+    status, out = conn.post(COMPLETION, dumps(body))
+    assert status == 200, out
+    assert out is not None and out["choices"][0]["text"] in ("yes", "no", "maybe so"), out
+
+
 def test_oversized_body_is_413_and_the_server_goes_on(server: ServerProcess) -> None:
     big = b'{"prompt": "' + b"a" * (33 * 2**20) + b'"}'
     resp = httpx.post(

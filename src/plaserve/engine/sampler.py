@@ -89,6 +89,11 @@ def ban_until_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch
     return logits
 
 
+# The largest temperature the sampler divides float32 logits by: a larger one may not be a float32 at
+# all (1e308 is inf there, and -inf / inf is NaN), and logits over 1e30 are all but equal anyway.
+MAX_TEMPERATURE = 1e30
+
+
 def _filter_top_k_top_p(
     logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
 ) -> torch.Tensor:
@@ -144,8 +149,15 @@ def sample(
         if bad[i]:
             out[i] = None
         elif not p.greedy:
-            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-            out[i] = int(torch.multinomial(row.softmax(-1), 1, generator=generators[i]).item())
+            # Above MAX_TEMPERATURE the draw is uniform over the allowed tokens in float32 anyway;
+            # dividing by more made a masked token's -inf NaN (the temperature inf in float32).
+            t = min(p.temperature, MAX_TEMPERATURE)
+            row = _filter_top_k_top_p(logits[i] / t, p.top_k, p.top_p, p.min_p)
+            probs = row.softmax(-1)
+            if not torch.isfinite(probs.sum()):  # this request fails alone, not the whole batch
+                out[i] = None
+                continue
+            out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return out
 
 
