@@ -377,8 +377,8 @@ def chaos_request(rng: random.Random) -> tuple[str, dict[str, Any], int | None]:
 
 
 ODD_VALUES: list[Any] = [
-    None, True, 0, -1, 2**64, 1e308, -1e-308, float("nan"), "", "x", "日" * 3, [], [None], [1, "a"],
-    {}, {"a": 1}, {"type": None}, [[[]]],
+    None, True, 0, -1, 2**64, 1e308, 3.5e38, 1e30, -1e-308, 1e-45, -0.0, float("nan"), float("inf"),
+    "", "x", "日" * 3, [], [None], [1, "a"], {}, {"a": 1}, {"type": None}, [[[]]],
 ]  # fmt: skip
 
 
