@@ -580,7 +580,8 @@ def errors(target: Target) -> int:
 
 
 async def soak(targets: list[Target], args: argparse.Namespace) -> float:
-    trace = load_trace(str(TRACE), limit=2000)
+    # The Poisson mix's lengths (chaos clients alone need no trace: ../shared may be absent)
+    trace = load_trace(str(TRACE), limit=2000) if args.rate > 0 else []
     arrivals = [
         (
             max(1, min(1500, int(a.prompt_tokens * args.length_scale))),
