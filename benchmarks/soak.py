@@ -49,6 +49,7 @@ from typing import Any, Callable
 import aiohttp
 
 from plaserve.launcher import PlaserveProcess, RouterProcess, ServerProcess
+from plaserve.testing.odd_values import ODD_VALUES
 from plaserve.workload.trace import load_trace
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_conv_2023.csv"
@@ -374,12 +375,6 @@ def chaos_request(rng: random.Random) -> tuple[str, dict[str, Any], int | None]:
     roll = rng.random()
     cut = (rng.randint(0, 6) if stream else -1) if roll < 0.3 else None
     return path, body, cut
-
-
-ODD_VALUES: list[Any] = [
-    None, True, 0, -1, 2**64, 1e308, 3.5e38, 1e30, -1e-308, 1e-45, -0.0, float("nan"), float("inf"),
-    "", "x", "日" * 3, [], [None], [1, "a"], {}, {"a": 1}, {"type": None}, [[[]]],
-]  # fmt: skip
 
 
 def mutate(rng: random.Random, body: dict[str, Any]) -> dict[str, Any]:

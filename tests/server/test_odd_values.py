@@ -1,6 +1,7 @@
-"""Every field of a few rich requests, one at a time, given each of a list of odd values (null, NaN,
-2**64, float32's overflow and its smallest subnormal, "", [], {}, ...): the server answers 200 or a
-4xx, never a 5xx, and no 200 stream carries an error event.
+"""Every field of a few rich requests, one at a time, given each odd value of
+:mod:`plaserve.testing.odd_values` (null, NaN, 2**64, float32's overflow and its smallest subnormal,
+"", [], {}, ...): the server answers 200 or a 4xx, never a 5xx, and no 200 stream carries an error
+event.
 
 The hypothesis search in test_faults.py draws whole bodies at random; the two 500s this sweep found
 needed one odd value beside a grammar (a temperature of 1e308 over masked logits; an empty regex with
@@ -10,16 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 
-ODD: list[Any] = [
-    None, True, 0, -1, 0.5, 2, 2**64, 1e308, 3.5e38, 1e30, -1e-308, 1e-45, -0.0, math.nan,
-    math.inf, "", "x", "日", [], [None], [1, "a"], {}, {"a": 1}, {"type": None},
-]  # fmt: skip
+from plaserve.testing.odd_values import variants
+
 WEATHER = {
     "type": "function",
     "function": {
@@ -114,21 +111,6 @@ BASES: list[tuple[str, dict[str, Any]]] = [
         },
     ),
 ]
-
-
-def variants(body: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """``body`` with one field, at the top or one level down, given each odd value in turn."""
-    for key, value in body.items():
-        for odd in ODD:
-            yield {**body, key: odd}
-        if isinstance(value, dict):
-            for inner in value:
-                for odd in ODD:
-                    yield {**body, key: {**value, inner: odd}}
-        if isinstance(value, list) and value and isinstance(value[-1], dict):
-            for inner in value[-1]:
-                for odd in ODD:
-                    yield {**body, key: [*value[:-1], {**value[-1], inner: odd}]}
 
 
 def broken(status: int, raw: bytes) -> bool:

@@ -54,7 +54,7 @@ def pd_capable(path: str, body: dict[str, Any]) -> bool:
     if path.endswith("/count_tokens") or body.get("background") is True:
         return False  # a background Response answers at once, with no KV to hand over
     logprobs = body.get("logprobs")  # `logprobs: 0` asks for them too (`0 in (None, False)`)
-    if logprobs is not None and logprobs is not False or body.get("prompt_logprobs") is not None:
+    if (logprobs is not None and logprobs is not False) or body.get("prompt_logprobs") is not None:
         return False
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):

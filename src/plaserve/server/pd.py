@@ -267,13 +267,9 @@ class PDWorker:
         arrival = self.loop.clock()
         most = self.loop.engine.kv_handoff.max_choices(len(prompt))
         imported = max(1, min(len(kvp.first_token_ids), most))
+        admitted, held = False, None  # held: the reservation to give back unless admitted
         try:
-            res = await self._reserve(prompt, imported, kvp.expires_at)
-        except asyncio.CancelledError:
-            self._release_remote(kvp)
-            raise
-        admitted = False
-        try:
+            res = held = await self._reserve(prompt, imported, kvp.expires_at)
             assert kvp.remote_host is not None and kvp.remote_port is not None
             assert kvp.remote_request_id is not None
             try:
@@ -332,13 +328,13 @@ class PDWorker:
                     abort(first)
                     raise
             return Generation(self.loop, subs, queue)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client left: nobody will pull the parked KV
             if not admitted:
                 self._release_remote(kvp)
             raise
         finally:
-            if not admitted:
-                await self._cancel(res)
+            if not admitted and held is not None:
+                await self._cancel(held)
 
     def _release_remote(self, kvp: KVTransferParams) -> None:
         """Tell the prefill worker to free the KV it parked for ``kvp``: this decode leg's client
