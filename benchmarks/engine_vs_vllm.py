@@ -16,7 +16,8 @@ figures the mean of the rounds' replays:
   stream, best of ``prefill_reps`` (a new random prompt each time, so no prefix cache helps);
 * **decode** tokens/s at batch B: B requests at once, 16-token prompts, ``decode_tokens`` outputs each;
   every output token over the time from the batch's arrival to its last token (best of
-  ``decode_reps``);
+  ``decode_reps``); greedy, and once more at ``sampled_batch`` with ``sampled_temperature`` and
+  ``sampled_top_p`` (the random-weight models' rows are flat, the worst case for a top-p cut);
 * **decode at a long context**: ``context_batch`` requests of ``context_prompt`` tokens at once, their
   K/V already in the prefix cache (the same prompts sent just before for one token each); the tokens
   streamed after the last first token over the time to the last token (the decode of a batch that
@@ -169,6 +170,10 @@ class Sizes:
     decode_prompt: int = 16
     decode_tokens: int = 64
     decode_reps: int = 2
+    # decode with sampling: a batch of this many, temperature and top-p as chat clients send them
+    sampled_batch: int = 16
+    sampled_temperature: float = 0.8
+    sampled_top_p: float = 0.95
     # decode at a long context: this many requests of context_prompt tokens at once
     context_batch: int = 16
     context_prompt: int = 2048
@@ -203,6 +208,7 @@ QUICK = Sizes(
     decode_prompt=8,
     decode_tokens=6,
     decode_reps=1,
+    sampled_batch=4,
     context_batch=2,
     context_prompt=48,
     context_tokens=6,
@@ -423,9 +429,10 @@ def start_server(
 TRACE_SEED = 5000  # prompts of the first trace replay; later calibration replays count up from it
 
 
-def replay(url: str, requests: list[TraceRequest], seed: int) -> Any:
-    """Run ``requests`` through the shared client (``seed`` picks the prompts); raise on any error."""
-    cfg = ClientConfig(url=url, short_threshold=SHORT_THRESHOLD, seed=seed)
+def replay(url: str, requests: list[TraceRequest], seed: int, **sampling: float) -> Any:
+    """Run ``requests`` through the shared client (``seed`` picks the prompts; ``sampling``:
+    ``temperature`` and ``top_p``, greedy without); raise on any error."""
+    cfg = ClientConfig(url=url, short_threshold=SHORT_THRESHOLD, seed=seed, **sampling)
     result = asyncio.run(run_requests(requests, cfg, TtftSlo()))
     errors = [r.error for r in result.records if not r.ok]
     if errors:
@@ -456,22 +463,29 @@ def measure_prefill(url: str, sizes: Sizes, seed: int = 2000) -> dict[str, float
     return out
 
 
-def measure_decode(url: str, sizes: Sizes, seed: int = 3000) -> dict[str, float]:
-    """Best decode tokens/s per batch size: every output token over the time from the batch's
-    arrival to its last token (the 16-token prompts' prefill included: ~1/64 of it). Timing from the
-    first first token instead read 5,094 tok/s for vLLM at batch 1 once (2026-12-02 10:26), when its
-    stream sent a request's tokens together. ``seed`` picks the prompts."""
+def measure_decode(
+    url: str,
+    sizes: Sizes,
+    seed: int = 3000,
+    batches: tuple[int, ...] | None = None,
+    **sampling: float,
+) -> dict[str, float]:
+    """Best decode tokens/s per batch size (``sizes.decode_batches`` unless ``batches``): every
+    output token over the time from the batch's arrival to its last token (the 16-token prompts'
+    prefill included: ~1/64 of it). Timing from the first first token instead read 5,094 tok/s for
+    vLLM at batch 1 once (2026-12-02 10:26), when its stream sent a request's tokens together.
+    ``seed`` picks the prompts; ``sampling`` as for :func:`replay`."""
     out = {}
-    for b in sizes.decode_batches:
+    for b in batches or sizes.decode_batches:
         best = 0.0
         for rep in range(sizes.decode_reps):
             reqs = [TraceRequest(0.0, sizes.decode_prompt, sizes.decode_tokens)] * b
-            res = replay(url, reqs, seed + 101 * rep + b)
+            res = replay(url, reqs, seed + 101 * rep + b, **sampling)
             first = min(r.arrival for r in res.records)
             last = max(r.arrival + r.e2e for r in res.records)
             best = max(best, sum(r.output_tokens for r in res.records) / (last - first))
         out[str(b)] = best
-        log(f"  decode B={b}: {best:,.0f} tok/s")
+        log(f"  decode B={b}{' sampled' if sampling else ''}: {best:,.0f} tok/s")
     return out
 
 
@@ -613,6 +627,14 @@ def measure_throughput(
     out: dict[str, Any] = {
         "prefill_tok_s": measure_prefill(url, sizes, 2000 + fresh),
         "decode_tok_s": measure_decode(url, sizes, 3000 + fresh),
+        "sampled_decode_tok_s": measure_decode(
+            url,
+            sizes,
+            3200 + fresh,
+            (sizes.sampled_batch,),
+            temperature=sizes.sampled_temperature,
+            top_p=sizes.sampled_top_p,
+        )[str(sizes.sampled_batch)],
         "context_decode_tok_s": measure_context_decode(url, sizes, 3500 + fresh),
     }
     burst = [replace(r, arrival=0.0) for r in slice_]
@@ -666,6 +688,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         for kind in ("prefill_tok_s", "decode_tok_s")
     }
     context = [r["context_decode_tok_s"] for r in rounds if r.get("context_decode_tok_s")]
+    sampled = [r["sampled_decode_tok_s"] for r in rounds if r.get("sampled_decode_tok_s")]
     traces = [r["trace"] for r in rounds]
     mean = {
         k: sum(t[k] for t in traces) / len(traces)
@@ -676,6 +699,7 @@ def merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         **best,
         "context_decode_tok_s": max(context, default=None),
+        "sampled_decode_tok_s": max(sampled, default=None),
         "burst_wall_s": min(r["burst_wall_s"] for r in rounds),
         "trace": {**traces[0], **mean},
         "rounds": rounds,
@@ -922,6 +946,14 @@ def table_rows(
     for b in sizes["decode_batches"]:
         rows.append(
             (f"decode tok/s, batch {b}", {s: r["decode_tok_s"][str(b)] for s, r in ok.items()})
+        )
+    if "sampled_batch" in sizes:  # runs before 2026-12-08 measured greedy decodes only
+        rows.append(
+            (
+                f"decode tok/s, batch {sizes['sampled_batch']}, sampled (temperature "
+                f"{sizes['sampled_temperature']}, top-p {sizes['sampled_top_p']})",
+                {s: r.get("sampled_decode_tok_s") for s, r in ok.items()},
+            )
         )
     if "context_batch" in sizes:  # runs before 2026-12-06 measured no decode at a long context
         rows.append(

@@ -159,6 +159,7 @@ def test_plaserve_side_has_every_row(
         assert set(r["prefill_tok_s"]) == {"16", "64"} and set(r["decode_tok_s"]) == {"1", "3"}
         assert min(r["prefill_tok_s"].values()) > 0 and min(r["decode_tok_s"].values()) > 0
         assert r["context_decode_tok_s"] == max(x["context_decode_tok_s"] for x in r["rounds"]) > 0
+        assert r["sampled_decode_tok_s"] == max(x["sampled_decode_tok_s"] for x in r["rounds"]) > 0
         assert r["burst_wall_s"] > 0 and 0 < r["trace"]["busy"] <= 1
         assert r["trace"]["counts"]["short"] + r["trace"]["counts"]["long"] == 6
         assert r["trace"]["short_p50_ms"] > 0 and len(r["loadavg_start"]) == 3
@@ -192,6 +193,7 @@ def test_plaserve_side_has_every_row(
         "prefill at L = 64, % of matmul peak",
         "decode tok/s, batch 1",
         "decode tok/s, batch 3",
+        "decode tok/s, batch 4, sampled (temperature 0.8, top-p 0.95)",
         "decode tok/s, batch 2 at a 48-token context",
         "burst of 6: wall s",
         "burst of 6: requests/s",

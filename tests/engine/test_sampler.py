@@ -7,10 +7,12 @@ import torch
 
 from plaserve.engine.sampler import (
     _argmax,
-    _filter_top_k_top_p,
     apply_penalties,
     ban_until_min_tokens,
+    draw,
+    draw_weights,
     sample,
+    skip_draw,
     unusable_rows,
 )
 from plaserve.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
@@ -21,18 +23,95 @@ def test_greedy_picks_argmax():
     assert sample(logits, [SamplingParams(temperature=0)] * 2, [None, None]) == [1, 0]
 
 
+def kept(row: torch.Tensor, **params) -> list[bool]:
+    """Which tokens of ``row`` a draw may pick under these sampling parameters."""
+    weights, ids = draw_weights(row, SamplingParams(**params))
+    out = torch.zeros(row.shape[-1], dtype=torch.bool)
+    out[ids if ids is not None else slice(None)] = weights > 0
+    return out.tolist()
+
+
 def test_top_k_keeps_k_best():
-    row = torch.tensor([1.0, 4.0, 3.0, 2.0])
-    kept = torch.isfinite(_filter_top_k_top_p(row, 2, 1.0))
-    assert kept.tolist() == [False, True, True, False]
+    assert kept(torch.tensor([1.0, 4.0, 3.0, 2.0]), top_k=2) == [False, True, True, False]
 
 
 def test_top_p_keeps_the_nucleus():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    kept = torch.isfinite(_filter_top_k_top_p(probs.log(), -1, 0.7))
-    assert kept.tolist() == [True, True, False, False]  # 0.5 < 0.7, so 0.3 joins; then 0.8 >= 0.7
-    kept = torch.isfinite(_filter_top_k_top_p(probs.log(), -1, 0.01))
-    assert kept.tolist() == [True, False, False, False]  # always at least one
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    # 0.5 < 0.7, so 0.3 joins; then 0.8 >= 0.7
+    assert kept(logits, top_p=0.7) == [True, True, False, False]
+    assert kept(logits, top_p=0.01) == [True, False, False, False]  # always at least one
+
+
+def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The filters written plainly (softmax, sort the whole row, mask): what draw_weights must equal."""
+    x = row / p.temperature
+    if p.min_p > 0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if 0 < p.top_k < len(x):
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = sorted_x.double().softmax(-1)
+        drop = probs.cumsum(-1) - probs > p.top_p
+        x = x.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return x.softmax(-1)
+
+
+# Rows of 5000 tokens (a histogram finds the top-p cut), flat to peaked.
+@pytest.mark.parametrize("scale", [0.03, 0.3, 3.0, 30.0])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7),
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.3, top_p=0.5),
+        dict(top_p=0.999),
+        dict(top_p=1 - 1e-7),
+        dict(top_k=40),
+        dict(top_k=40, top_p=0.8),
+        dict(min_p=0.05),
+        dict(min_p=0.01, top_k=500, top_p=0.95),
+    ],
+)
+def test_draw_weights_equal_the_plain_filters(params, scale):
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(4, 5000, generator=g) * scale
+    logits[1, ::3] = float("-inf")  # a grammar's mask
+    p = SamplingParams(**params)
+    for row in logits:
+        weights, ids = draw_weights(row, p)
+        probs = torch.zeros_like(row, dtype=torch.float64)
+        probs[ids if ids is not None else slice(None)] = weights / weights.sum()
+        assert torch.allclose(probs.float(), reference_probs(row, p), atol=1e-6)
+
+
+def test_draws_follow_the_filtered_distribution():
+    """A chi-square test of 20,000 seeded draws over 12 tokens, top-p cutting the tail."""
+    logits = torch.tensor([[3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -1.5, -2.0, -9.0]])
+    p = SamplingParams(temperature=1.0, top_p=0.97)
+    gen = torch.Generator().manual_seed(1)
+    n = 20_000
+    counts = torch.bincount(
+        torch.tensor([sample(logits, [p], [gen])[0] for _ in range(n)]), minlength=12
+    )
+    expected = reference_probs(logits[0], p) * n
+    inside = expected > 0
+    assert counts[~inside].sum() == 0  # never a token the filters dropped
+    chi2 = ((counts[inside] - expected[inside]) ** 2 / expected[inside]).sum().item()
+    assert chi2 < 30  # 0.1 % of the chi-square with <= 10 degrees of freedom lies above 29.6
+
+
+def test_a_draw_takes_one_number_whatever_the_weights():
+    """A seeded request continued on a decode worker skips the prefill worker's draw without its
+    logits: any draw must move the generator exactly as skip_draw does."""
+    for weights in (torch.tensor([0.0, 1.0, 0.0]), torch.rand(7000), torch.ones(1)):
+        a, b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        draw(weights, a)
+        skip_draw(b, 151_936)
+        assert torch.equal(a.get_state(), b.get_state())
+    assert draw(torch.tensor([0.0, float("nan")]), None) is None
+    assert draw(torch.zeros(3), None) is None
 
 
 def test_sampling_frequencies_follow_temperature():
@@ -91,9 +170,8 @@ def test_rows_without_penalties_are_untouched():
 
 
 def test_min_p_drops_unlikely_tokens():
-    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    kept = torch.isfinite(_filter_top_k_top_p(probs.log(), -1, 1.0, min_p=0.35))
-    assert kept.tolist() == [True, True, False, False]  # 0.15 < 0.35 * 0.5
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert kept(logits, min_p=0.35) == [True, True, False, False]  # 0.15 < 0.35 * 0.5
 
 
 NAN, INF = float("nan"), float("inf")
@@ -187,3 +265,21 @@ def test_a_huge_temperature_draws_among_the_allowed_tokens():
     gen = torch.Generator().manual_seed(0)
     draws = {sample(logits, [SamplingParams(temperature=1e308)], [gen])[0] for _ in range(50)}
     assert draws == {1, 3}  # uniform over the two allowed tokens
+
+
+@pytest.mark.parametrize(
+    "params", [dict(), dict(top_p=0.9), dict(top_k=3, top_p=0.9), dict(min_p=0.1)]
+)
+def test_logits_that_overflow_past_the_temperature_fail_the_row_alone(params):
+    """3e38 / 1e-5 is inf in float32: the row fails (None), the batch goes on."""
+    logits = torch.tensor([[3e38, 1.0, 0.0, -1e38], [0.0, 5.0, 0.0, 0.0]])
+    p = SamplingParams(temperature=1e-5, **params)
+    assert sample(logits, [p, p], [None, None]) == [None, 1]
+
+
+@pytest.mark.parametrize("logit", [1e6, -1e6, 0.0])
+def test_top_p_over_one_allowed_token_of_a_large_vocabulary(logit):
+    """Every other token masked: the histogram of the logits has no width."""
+    logits = torch.full((1, 9000), float("-inf"))
+    logits[0, 4321] = logit
+    assert sample(logits, [SamplingParams(temperature=1e-5, top_p=0.5)], [None]) == [4321]

@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from plaserve.config import EngineConfig
+
 from .test_structured import SERVER_ARGS  # noqa: F401 - the same server: a tool template, hermes
 from .test_tools import TOOLS
 
@@ -226,6 +228,10 @@ def test_a_tool_result_continues_as_chats_history(claude, client) -> None:
     )
     assert msg.content[0].text == chat.choices[0].message.content
     assert msg.usage.input_tokens == chat.usage.prompt_tokens
+    # token for token: chat found all of the Messages prompt but its last partial block cached (the
+    # tools in another key order were as many tokens, and a different prompt)
+    cached = chat.usage.prompt_tokens_details.cached_tokens
+    assert cached == chat.usage.prompt_tokens // EngineConfig.block_size * EngineConfig.block_size
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="fixed long SLO when the server has no cost model",
     )
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's")
     p.add_argument(
         "--out", default="bench-out", help="directory for summary.json, run.json and plots"
     )
@@ -114,6 +116,8 @@ def run_bench(args: argparse.Namespace) -> int:
         short_threshold=args.short_threshold,
         request_timeout=args.request_timeout,
         seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
     )
     slo = TtftSlo(
         factor=args.slo_factor,

@@ -36,6 +36,8 @@ class ClientConfig:
     # ids valid in every tokenizer (and the embedded model)
     token_id_range: tuple[int, int] = (10, 500)
     seed: int = 0
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
 
 
 @dataclass
@@ -115,7 +117,8 @@ async def send_one(
         "model": model,
         "prompt": prompt_token_ids(req.prompt_tokens, index, cfg),
         "max_tokens": req.output_tokens,
-        "temperature": 0.0,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},

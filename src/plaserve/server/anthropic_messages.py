@@ -73,9 +73,12 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
                 kind = tool.get("type") if isinstance(tool, dict) else None
                 raise _bad(f"tools[{i}]", f"only client tools are supported, got type {kind!r}")
-            spec = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+            # OpenAI's key order (name, description, parameters): templates write the tools out as
+            # JSON, so another order is another prompt than chat's for the same tools.
+            spec = {"name": tool.get("name")}
             if "description" in tool:
                 spec["description"] = tool["description"]
+            spec["parameters"] = tool.get("input_schema")
             chat["tools"].append({"type": "function", "function": spec})
     choice = body.get("tool_choice")
     if choice is not None:
