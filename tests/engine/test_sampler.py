@@ -16,6 +16,7 @@ from plaserve.engine.sampler import (
     unusable_rows,
 )
 from plaserve.request import MIN_TEMPERATURE, ParamError, Request, SamplingParams
+from plaserve.testing.plain_sampler import plain_probs
 
 
 def test_greedy_picks_argmax():
@@ -42,22 +43,6 @@ def test_top_p_keeps_the_nucleus():
     assert kept(logits, top_p=0.01) == [True, False, False, False]  # always at least one
 
 
-def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The filters written plainly (softmax, sort the whole row, mask): what draw_weights must equal."""
-    x = row / p.temperature
-    if p.min_p > 0:
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    if 0 < p.top_k < len(x):
-        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.double().softmax(-1)
-        drop = probs.cumsum(-1) - probs > p.top_p
-        x = x.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return x.softmax(-1)
-
-
 # Rows of 5000 tokens (a histogram finds the top-p cut), flat to peaked.
 @pytest.mark.parametrize("scale", [0.03, 0.3, 3.0, 30.0])
 @pytest.mark.parametrize(
@@ -71,6 +56,8 @@ def reference_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         dict(top_k=40),
         dict(top_k=40, top_p=0.8),
         dict(min_p=0.05),
+        dict(min_p=1.0),  # the most likely token alone
+        dict(min_p=0.02, top_p=0.9),
         dict(min_p=0.01, top_k=500, top_p=0.95),
     ],
 )
@@ -83,7 +70,7 @@ def test_draw_weights_equal_the_plain_filters(params, scale):
         weights, ids = draw_weights(row, p)
         probs = torch.zeros_like(row, dtype=torch.float64)
         probs[ids if ids is not None else slice(None)] = weights / weights.sum()
-        assert torch.allclose(probs.float(), reference_probs(row, p), atol=1e-6)
+        assert torch.allclose(probs.float(), plain_probs(row, p), atol=1e-6)
 
 
 def test_draws_follow_the_filtered_distribution():
@@ -95,7 +82,7 @@ def test_draws_follow_the_filtered_distribution():
     counts = torch.bincount(
         torch.tensor([sample(logits, [p], [gen])[0] for _ in range(n)]), minlength=12
     )
-    expected = reference_probs(logits[0], p) * n
+    expected = plain_probs(logits[0], p) * n
     inside = expected > 0
     assert counts[~inside].sum() == 0  # never a token the filters dropped
     chi2 = ((counts[inside] - expected[inside]) ** 2 / expected[inside]).sum().item()

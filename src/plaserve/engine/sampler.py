@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from plaserve.request import Request, SamplingParams, TokenLogprobs
 
@@ -112,19 +113,18 @@ def draw_weights(
     order, each on what the one before left), as ``(weights, ids)``: unnormalised probabilities and
     the token each is for, ``ids`` None when the weights cover the whole vocabulary."""
     x = logits / min(params.temperature, MAX_TEMPERATURE)
-    if params.min_p > 0:  # p < min_p * p_max, in logits
-        x = x.masked_fill(x < x.max() + math.log(params.min_p), float("-inf"))
+    ids = None
     if 0 < params.top_k < x.shape[-1]:
         x, ids = torch.topk(x, params.top_k)  # most likely first
-        weights = (x - x[0]).exp().double()
-        if params.top_p < 1.0:
-            weights[~_top_p_cut(weights, params.top_p * weights.sum())] = 0.0
-        return weights, ids
     # float64 from here: the cumulative sums of a large vocabulary's weights need its precision
     weights = (x - x.max()).exp().double()
+    if params.min_p > 0:  # p < min_p * p_max; threshold() keeps what is above its bound: one below
+        weights = F.threshold(weights, math.nextafter(params.min_p, 0.0), 0.0)
     if params.top_p < 1.0:
-        return _nucleus(x, weights, params.top_p)
-    return weights, None
+        if ids is None:
+            return _nucleus(x, weights, params.top_p)
+        weights[~_top_p_cut(weights, params.top_p * weights.sum())] = 0.0
+    return weights, ids
 
 
 def _top_p_cut(
