@@ -168,8 +168,9 @@ def _nucleus(
 def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int | None:
     """Index of one draw from ``weights`` (unnormalised, >= 0) by inverse CDF: one uniform number of
     ``generator`` a draw, whatever the weights (:func:`skip_draw` relies on it), and one cumulative
-    sum, ~20x cheaper than ``torch.multinomial`` over a large vocabulary. None when the weights are not
-    finite or all zero (an overflow past the temperature)."""
+    sum, where ``torch.multinomial`` costs many times more over a large vocabulary (docs/
+    BENCHMARKS.md). None when the weights are not finite or all zero (an overflow past the
+    temperature)."""
     cdf = weights.double().cumsum(-1)
     total = cdf[-1]
     if not bool(torch.isfinite(total) & (total > 0)):
