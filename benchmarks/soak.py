@@ -560,10 +560,15 @@ def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
             f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors(tg)} | "
             f"{tg.samples[-1]['leaked']} | {store:,.0f} |"
         )
-    refusals = [f"- {tg.name}: {r}" for tg in targets for r in sorted(tg.refusals)]
+    # errors first and all of them: the 4xx refusals (many kinds) are cut at 40
+    refusals = sorted(
+        (f"- {tg.name}: {r}" for tg in targets for r in tg.refusals),
+        key=lambda line: (" stream " not in line and not re.search(r" 5\d\d ", line), line),
+    )
     if refusals:
-        lines += ["", "The chaos clients' refusals and error events (one line each kind):", ""]
-        lines += refusals[:40]
+        errors_seen = sum(" stream " in r or bool(re.search(r" 5\d\d ", r)) for r in refusals)
+        lines += ["", "The chaos clients' error events and refusals (one line each kind):", ""]
+        lines += refusals[: max(40, errors_seen)]
     return "\n".join(lines)
 
 
