@@ -92,7 +92,8 @@ class Target:
     outcomes: dict[str, int] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     response_ids: list[str] = field(default_factory=list)  # Responses to continue, newest last
-    refusals: set[str] = field(default_factory=set)  # the chaos clients' 4xx and error events
+    refusals: set[str] = field(default_factory=set)  # the chaos clients' 4xx, one line a kind
+    error_lines: set[str] = field(default_factory=set)  # their 5xx and error events, with bodies
 
     def count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -432,8 +433,9 @@ async def _chaos_send(
             target.count(f"chaos_{r.status}" if 400 <= r.status < 500 else f"http_{r.status}")
             line = f"{path} {r.status} {re.sub(rb'[0-9]+', b'#', data[:200])!r}"
             if r.status >= 500:  # with the body, to reproduce it
-                line += f" for {json.dumps(body)[:1000]}"
-            target.refusals.add(line)
+                target.error_lines.add(f"{line} for {json.dumps(body)[:1000]}")
+            else:
+                target.refusals.add(line)
             return
         if not body.get("stream"):
             await r.read()
@@ -445,7 +447,7 @@ async def _chaos_send(
                 line.startswith(b"data:") and b'"error"' in line[:40]
             ):
                 target.count("stream_error")
-                target.refusals.add(f"{path} stream {line[:200]!r}")
+                target.error_lines.add(f"{path} stream {line[:200]!r}")
                 return
             if line.startswith(b"data:"):
                 events += 1
@@ -560,15 +562,12 @@ def report(targets: list[Target], args: argparse.Namespace, wall: float) -> str:
             f"| {tg.name} | {sum(tg.outcomes.values())} | {outcomes} | {errors(tg)} | "
             f"{tg.samples[-1]['leaked']} | {store:,.0f} |"
         )
-    # errors first and all of them: the 4xx refusals (many kinds) are cut at 40
-    refusals = sorted(
-        (f"- {tg.name}: {r}" for tg in targets for r in tg.refusals),
-        key=lambda line: (" stream " not in line and not re.search(r" 5\d\d ", line), line),
-    )
-    if refusals:
-        errors_seen = sum(" stream " in r or bool(re.search(r" 5\d\d ", r)) for r in refusals)
+    # every error, then the 4xx refusals (many kinds) up to 40
+    errs = [f"- {tg.name}: {r}" for tg in targets for r in sorted(tg.error_lines)]
+    refusals = [f"- {tg.name}: {r}" for tg in targets for r in sorted(tg.refusals)]
+    if errs or refusals:
         lines += ["", "The chaos clients' error events and refusals (one line each kind):", ""]
-        lines += refusals[: max(40, errors_seen)]
+        lines += errs + refusals[:40]
     return "\n".join(lines)
 
 

@@ -116,14 +116,15 @@ def draw_weights(
     ids = None
     if 0 < params.top_k < x.shape[-1]:
         x, ids = torch.topk(x, params.top_k)  # most likely first
+    top = x.max()
     # float64 from here: the cumulative sums of a large vocabulary's weights need its precision
-    weights = (x - x.max()).exp().double()
+    weights = (x - top).exp().double()
     if params.min_p > 0:  # p < min_p * p_max; threshold() keeps what is above its bound: one below
         weights = F.threshold(weights, math.nextafter(params.min_p, 0.0), 0.0)
     if params.top_p < 1.0:
         if ids is None:
-            return _nucleus(x, weights, params.top_p)
-        weights[~_top_p_cut(weights, params.top_p * weights.sum())] = 0.0
+            return _nucleus(x, float(top), weights, params.top_p)
+        weights.masked_fill_(~_top_p_cut(weights, params.top_p * weights.sum()), 0.0)
     return weights, ids
 
 
@@ -137,17 +138,16 @@ def _top_p_cut(
 
 
 def _nucleus(
-    x: torch.Tensor, weights: torch.Tensor, top_p: float
+    x: torch.Tensor, top: float, weights: torch.Tensor, top_p: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`draw_weights`' result for a row's top-p cut alone; ``weights`` are the logits ``x``'s,
-    relative to the most likely token. See _NUCLEUS_BINS for how."""
+    """:func:`draw_weights`' result for a row's top-p cut alone; ``weights`` are the logits ``x``'s
+    relative to the most likely token (logit ``top``). See _NUCLEUS_BINS for how."""
     limit = top_p * weights.sum()
     if not torch.isfinite(limit):  # logits overflowed past the temperature: draw() refuses the row
         return weights, None
     if len(x) <= _NUCLEUS_SORT:
         w, order = torch.sort(weights, descending=True)
         return w.masked_fill_(~_top_p_cut(w, limit), 0.0), order
-    top = float(x.max())
     low = max(float(x.nan_to_num(neginf=top).min()), top - _NUCLEUS_SPAN)
     # Bin 0 holds the most likely tokens; -inf falls in the last bin.
     scale = _NUCLEUS_BINS / max(top - low, 1e-30)
