@@ -97,7 +97,7 @@ def ban_until_min_tokens(logits: torch.Tensor, reqs: Sequence[Request]) -> torch
 MAX_TEMPERATURE = 1e30
 
 
-# Top-p without sorting a large vocabulary (a sort of 152k logits costs ~80 passes over them): a
+# Top-p without sorting a large vocabulary (a sort of 152k logits costs over 100 passes over them): a
 # histogram of the logits, _NUCLEUS_BINS bins from the maximum down to the lowest finite logit (at most
 # _NUCLEUS_SPAN below, lower ones sharing the last bin), finds the bin the cut falls in, and only that
 # bin is sorted. Rows of up to _NUCLEUS_SORT tokens are sorted whole: fewer operations.
